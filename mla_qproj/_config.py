@@ -1,0 +1,117 @@
+"""Named modes and argument validation. Every check raises ValueError naming the argument."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ._constants import MX_BLOCK
+
+ScaleMode = Literal["rceil", "floor"]
+RopeStyle = Literal["deepseek", "neox", "gptj"]
+Precision = Literal["mxfp8", "bf16"]
+OutputFormat = Literal["mxfp8", "bf16"]
+Backend = Literal["auto", "triton", "torch"]
+
+SCALE_MODES = ("rceil", "floor")
+ROPE_STYLES = ("deepseek", "neox", "gptj")
+PRECISIONS = ("mxfp8", "bf16")
+OUTPUT_FORMATS = ("mxfp8", "bf16")
+BACKENDS = ("auto", "triton", "torch")
+
+
+def validate_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class QProjConfig:
+    """Geometry and numerics of one FusedMLAQUpProjection (all validated in `make`)."""
+
+    q_lora_rank: int
+    num_heads: int
+    qk_head_dim: int
+    rope_dim: int  # qk_pos_emb_head_dim
+    q_head_dim: int
+    eps: float = 1e-6
+    zero_centered_gamma: bool = False
+    rope_style: str = "deepseek"
+    precision: str = "mxfp8"
+    output_format: str = "mxfp8"
+    columnwise_output: bool = False
+    scale_mode: str = "rceil"
+
+    @property
+    def out_features(self) -> int:
+        return self.num_heads * self.q_head_dim
+
+    @property
+    def rope_start(self) -> int:
+        return self.qk_head_dim
+
+    @staticmethod
+    def make(
+        q_lora_rank: int,
+        num_heads: int,
+        qk_head_dim: int,
+        qk_pos_emb_head_dim: int,
+        q_head_dim: int | None = None,
+        eps: float = 1e-6,
+        zero_centered_gamma: bool = False,
+        rope_style: str = "deepseek",
+        precision: str = "mxfp8",
+        output_format: str = "mxfp8",
+        columnwise_output: bool = False,
+        scale_mode: str = "rceil",
+    ) -> QProjConfig:
+        _positive_int("q_lora_rank", q_lora_rank)
+        _positive_int("num_heads", num_heads)
+        if isinstance(qk_head_dim, bool) or not isinstance(qk_head_dim, int) or qk_head_dim < 0:
+            raise ValueError(f"qk_head_dim must be a non-negative int, got {qk_head_dim!r}")
+        _positive_int("qk_pos_emb_head_dim", qk_pos_emb_head_dim)
+        if qk_pos_emb_head_dim % 2:
+            raise ValueError(f"qk_pos_emb_head_dim must be even (RoPE rotates pairs), got {qk_pos_emb_head_dim}")
+        if q_head_dim is None:
+            q_head_dim = qk_head_dim + qk_pos_emb_head_dim
+        _positive_int("q_head_dim", q_head_dim)
+        if qk_head_dim + qk_pos_emb_head_dim > q_head_dim:
+            raise ValueError(
+                f"q_head_dim ({q_head_dim}) must be >= qk_head_dim + qk_pos_emb_head_dim "
+                f"({qk_head_dim} + {qk_pos_emb_head_dim})"
+            )
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+        validate_choice("rope_style", rope_style, ROPE_STYLES)
+        validate_choice("precision", precision, PRECISIONS)
+        validate_choice("output_format", output_format, OUTPUT_FORMATS)
+        validate_choice("scale_mode", scale_mode, SCALE_MODES)
+        if q_lora_rank % MX_BLOCK:
+            raise ValueError(f"q_lora_rank must be a multiple of {MX_BLOCK} (MXFP8 blocks along K), got {q_lora_rank}")
+        if output_format == "mxfp8" and q_head_dim % MX_BLOCK:
+            raise ValueError(
+                f"q_head_dim must be a multiple of {MX_BLOCK} for output_format='mxfp8', got {q_head_dim}"
+            )
+        if columnwise_output and output_format != "mxfp8":
+            raise ValueError("columnwise_output=True needs output_format='mxfp8'")
+        return QProjConfig(
+            q_lora_rank=q_lora_rank,
+            num_heads=num_heads,
+            qk_head_dim=qk_head_dim,
+            rope_dim=qk_pos_emb_head_dim,
+            q_head_dim=q_head_dim,
+            eps=float(eps),
+            zero_centered_gamma=bool(zero_centered_gamma),
+            rope_style=rope_style,
+            precision=precision,
+            output_format=output_format,
+            columnwise_output=bool(columnwise_output),
+            scale_mode=scale_mode,
+        )

@@ -1,0 +1,137 @@
+"""Triton twins of `reference/mxfp8.py` (same names, same steps) and the RoPE index maps.
+
+SPEC §2: the element rounding is done explicitly in fp32 onto the E4M3 grid and only then cast, because
+Triton's interpreter mis-rounds fp32 -> float8e4nv casts of off-grid values (on-grid casts are exact).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_NAN = tl.constexpr(float("nan"))
+_INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # becomes fp32(1/448) against an fp32 operand (SPEC §2)
+_TWO_POW_23 = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def nan_ignoring_amax(x, axis: tl.constexpr):
+    """max |x| along axis ignoring NaN (fmax semantics); NaN only when all are NaN. Mask with NaN to skip."""
+    a = tl.abs(x)
+    a = tl.where(a == a, a, -1.0)
+    m = tl.max(a, axis=axis)
+    return tl.where(m < 0, _NAN, m)
+
+
+@triton.jit
+def e8m0_from_amax_rceil(amax):
+    """Biased exponent of v = amax * fp32(1/448), plus one if v has mantissa bits (SPEC §2 rceil)."""
+    v = amax * _INV_E4M3_MAX
+    bits = v.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    round_up = (mant != 0) & (exp != 0xFE) & ((exp != 0) | (mant > 0x400000))
+    byte = exp + round_up.to(tl.int32)
+    # exponent 0xFF: inf -> 0xFE, NaN -> 0xFF
+    return tl.where(exp == 0xFF, tl.where(mant == 0, 0xFE, 0xFF), byte)
+
+
+@triton.jit
+def e8m0_from_amax_floor(amax):
+    """clamp(floor(log2(amax)) - 8 + 127, 0, 254); 0 for amax 0, 0xFE for inf, 0xFF for NaN (SPEC §2 floor)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    byte = tl.minimum(tl.maximum(exp - 8, 0), 0xFE)
+    return tl.where(exp == 0xFF, tl.where(mant == 0, 0xFE, 0xFF), byte)
+
+
+@triton.jit
+def e8m0_from_amax(amax, SCALE_MODE: tl.constexpr):
+    if SCALE_MODE == "rceil":
+        byte = e8m0_from_amax_rceil(amax)
+    else:
+        tl.static_assert(SCALE_MODE == "floor")
+        byte = e8m0_from_amax_floor(amax)
+    return byte
+
+
+@triton.jit
+def quant_multiplier(byte):
+    """r = 1 for byte 0, else 2^(127 - byte); byte >= 254 gives the subnormal 2^-127 (only inf/NaN blocks)."""
+    r = ((254 - tl.minimum(byte, 253)) << 23).to(tl.float32, bitcast=True)
+    r = tl.where(byte >= 254, (0x00400000).to(tl.float32, bitcast=True), r)
+    return tl.where(byte == 0, 1.0, r)
+
+
+@triton.jit
+def e8m0_to_fp32(byte):
+    """2^(byte - 127) for byte in [1, 254] (exact); decode of a stored scale."""
+    return (tl.maximum(byte, 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_e4m3_grid(x):
+    """fp32 -> nearest-even E4M3 value as fp32, saturated to ±448; NaN stays NaN; sign of zero kept.
+
+    e = clamp(exponent(|x|), -6, 8) gives the grid spacing 2^(e-3); |x| * 2^(3-e) is rounded to an integer
+    with the fp32 add/subtract-2^23 trick (round-to-nearest-even) and scaled back; all scalings are exact.
+    """
+    xb = x.to(tl.int32, bitcast=True)
+    ax = tl.abs(x)
+    e = ((ax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, -6), 8)
+    up = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3-e)
+    down = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e-3)
+    m = ax * up
+    r = (m + _TWO_POW_23) - _TWO_POW_23
+    r = tl.where(m >= _TWO_POW_23, m, r)
+    y = tl.minimum(r * down, 448.0)
+    y = (y.to(tl.int32, bitcast=True) | ((xb >> 31) << 31)).to(tl.float32, bitcast=True)
+    return tl.where(x == x, y, x)
+
+
+@triton.jit
+def quantize_to_e4m3(x, byte):
+    """Elements of one block: round(x * r) on the E4M3 grid, then the (exact) cast."""
+    return round_to_e4m3_grid(x * quant_multiplier(byte)).to(tl.float8e4nv)
+
+
+@triton.jit
+def rope_sources(p, HALF: tl.constexpr, STYLE: tl.constexpr, INVERSE: tl.constexpr):
+    """For rope-column p (0 <= p < R) of the *result*: (src1, src2, sign, pair) with
+    result[p] = in[src1] * c[pair] + sign * in[src2] * s[pair] (SPEC §3). Indices stay inside the head."""
+    if STYLE == "neox":
+        hi = p >= HALF
+        pair = tl.where(hi, p - HALF, p)
+        src1 = p
+        src2 = tl.where(hi, p - HALF, p + HALF)
+        lo_first = ~hi
+    elif STYLE == "gptj":
+        odd = (p % 2) == 1
+        pair = p // 2
+        src1 = p
+        src2 = tl.where(odd, p - 1, p + 1)
+        lo_first = ~odd
+    else:
+        tl.static_assert(STYLE == "deepseek")
+        if INVERSE:
+            # result (input layout) column 2i <- a = g[i] c + g[H+i] s; 2i+1 <- b = g[H+i] c - g[i] s
+            odd = (p % 2) == 1
+            pair = p // 2
+            src1 = tl.where(odd, HALF + pair, pair)
+            src2 = tl.where(odd, pair, HALF + pair)
+            lo_first = ~odd
+        else:
+            # result column i <- a' = in[2i] c - in[2i+1] s; column H+i <- b' = in[2i+1] c + in[2i] s
+            hi = p >= HALF
+            pair = tl.where(hi, p - HALF, p)
+            src1 = tl.where(hi, 2 * pair + 1, 2 * pair)
+            src2 = tl.where(hi, 2 * pair, 2 * pair + 1)
+            lo_first = ~hi
+    # forward: first member gets -s; inverse (transpose): first member gets +s
+    if INVERSE:
+        sign = tl.where(lo_first, 1.0, -1.0)
+    else:
+        sign = tl.where(lo_first, -1.0, 1.0)
+    return src1, src2, sign, pair

@@ -1,0 +1,1 @@
+"""Pure-PyTorch reference of the SPEC: the oracle of the tests and the CPU backend."""

@@ -1,0 +1,138 @@
+"""MXFP8 quantization in plain PyTorch (SPEC §2). Twin of `kernels/_common.py`: same names, same steps.
+
+All arithmetic on the bit level is done on the fp32 image, so the result is defined to the byte and the
+Triton kernels (GPU and interpreter) can reproduce it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._constants import E4M3_MAX, E8M0_BIAS, E8M0_MAX, E8M0_NAN, MX_BLOCK
+
+_INV_E4M3_MAX = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32).item()  # fp32(1/448)
+
+
+def _fp32_bits(v: torch.Tensor) -> torch.Tensor:
+    return v.contiguous().view(torch.int32)
+
+
+def nan_ignoring_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| over `dim`, ignoring NaN (fmax semantics); NaN only when every element is NaN."""
+    a = x.abs().float()
+    m = torch.where(torch.isnan(a), torch.full_like(a, -1.0), a).amax(dim=dim)
+    return torch.where(m < 0, torch.full_like(m, float("nan")), m)
+
+
+def e8m0_from_amax_rceil(amax: torch.Tensor) -> torch.Tensor:
+    """SPEC §2 rceil: the exponent of v = amax * fp32(1/448), rounded up; 0 / 0xFF (NaN) / 0xFE (inf)."""
+    v = amax.float() * _INV_E4M3_MAX
+    bits = _fp32_bits(v)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    round_up = (mant != 0) & (exp != 0xFE) & ~((exp == 0) & (mant <= 0x400000))
+    byte = exp + round_up.to(torch.int32)
+    byte = torch.where(v == 0, torch.zeros_like(byte), byte)
+    byte = torch.where(torch.isinf(v), torch.full_like(byte, E8M0_MAX), byte)
+    byte = torch.where(torch.isnan(v), torch.full_like(byte, E8M0_NAN), byte)
+    return byte.to(torch.uint8)
+
+
+def e8m0_from_amax_floor(amax: torch.Tensor) -> torch.Tensor:
+    """SPEC §2 floor (OCP v1.0): clamp(floor(log2(amax)) - 8 + 127, 0, 254); 0 for amax 0, 0xFF for NaN."""
+    a = amax.float()
+    bits = _fp32_bits(a)
+    exp = (bits >> 23) & 0xFF  # floor(log2(a)) + 127 for normal a; subnormal a clamps to 0 below anyway
+    byte = (exp - 8).clamp(0, E8M0_MAX)
+    byte = torch.where(torch.isinf(a), torch.full_like(byte, E8M0_MAX), byte)
+    byte = torch.where(a == 0, torch.zeros_like(byte), byte)
+    byte = torch.where(torch.isnan(a), torch.full_like(byte, E8M0_NAN), byte)
+    return byte.to(torch.uint8)
+
+
+def e8m0_from_amax(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
+    if scale_mode == "rceil":
+        return e8m0_from_amax_rceil(amax)
+    if scale_mode == "floor":
+        return e8m0_from_amax_floor(amax)
+    raise ValueError(f"scale_mode must be 'rceil' or 'floor', got {scale_mode!r}")
+
+
+def e8m0_to_fp32(byte: torch.Tensor) -> torch.Tensor:
+    """2^(byte - 127) as fp32 (exact; byte 0 gives the subnormal 2^-127, 0xFF gives NaN)."""
+    b = byte.to(torch.int32)
+    val = torch.ldexp(torch.ones_like(b, dtype=torch.float32), b - E8M0_BIAS)
+    return torch.where(b == E8M0_NAN, torch.full_like(val, float("nan")), val)
+
+
+def quant_multiplier(byte: torch.Tensor) -> torch.Tensor:
+    """r in SPEC §2: 1 for byte 0, else 2^(127 - byte) (fp32, exact; 2^-127 is a subnormal)."""
+    b = byte.to(torch.int32)
+    r = torch.ldexp(torch.ones_like(b, dtype=torch.float32), E8M0_BIAS - b)
+    return torch.where(b == 0, torch.ones_like(r), r)
+
+
+def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to nearest-even onto the E4M3 grid, saturating to ±448; NaN stays NaN, sign of zero kept.
+
+    Done in fp32 arithmetic (no fp8 cast) so the Triton twin can mirror it step by step:
+    e = clamp(exponent(|x|), -6, 8); the grid spacing at e is 2^(e-3); |x| * 2^(3-e) is rounded to an
+    integer by the fp32 "add and subtract 2^23" trick (RNE), and scaled back. Every scaling is by a power
+    of two, so the only rounding is the one we want.
+    """
+    x = x.float()
+    ax = x.abs()
+    exp = (_fp32_bits(ax) >> 23) & 0xFF
+    e = (exp - 127).clamp(-6, 8)
+    up = torch.ldexp(torch.ones_like(ax), 3 - e)  # 2^(3-e)
+    down = torch.ldexp(torch.ones_like(ax), e - 3)  # 2^(e-3)
+    m = ax * up
+    magic = torch.tensor(8388608.0, dtype=torch.float32)  # 2^23
+    r = (m + magic) - magic  # RNE to an integer for 0 <= m < 2^23
+    r = torch.where(m >= 8388608.0, m, r)  # huge values (saturate below) and inf
+    y = torch.clamp(r * down, max=E4M3_MAX)
+    y = torch.where(torch.signbit(x), -y, y)  # keeps -0
+    return torch.where(torch.isnan(x), x, y)
+
+
+def quantize_blocks_lastdim(x: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise MXFP8: 32-blocks along the last dim (a multiple of 32). Returns (fp8 data, uint8 scale)."""
+    if x.shape[-1] % MX_BLOCK:
+        raise ValueError(f"last dimension must be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
+    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
+    byte = e8m0_from_amax(nan_ignoring_amax(xb, dim=-1), scale_mode)
+    q = round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(-1))
+    return q.to(torch.float8_e4m3fn).reshape(x.shape), byte
+
+
+def quantize_rowwise(x: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_blocks_lastdim(x, scale_mode)
+
+
+def quantize_columnwise(x2d: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
+    """Columnwise MXFP8 of a 2-D [T, N] view: 32-blocks along T, the last block partial (amax over rows that
+    exist). Returns (fp8 data [T, N], uint8 scale [ceil(T/32), N])."""
+    T, N = x2d.shape
+    nb = -(-T // MX_BLOCK)
+    pad = nb * MX_BLOCK - T
+    xf = x2d.float()
+    # pad with NaN: ignored by the amax, so a partial block's amax is over the rows that exist
+    xp = torch.cat([xf, xf.new_full((pad, N), float("nan"))]) if pad else xf
+    xb = xp.reshape(nb, MX_BLOCK, N)
+    byte = e8m0_from_amax(nan_ignoring_amax(xb, dim=1), scale_mode)  # [nb, N]
+    q = round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(1)).reshape(nb * MX_BLOCK, N)[:T]
+    return q.to(torch.float8_e4m3fn), byte
+
+
+def dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """fp8 * 2^(byte - 127) with the scale repeated over its 32-block along the last dim."""
+    s = e8m0_to_fp32(scale).repeat_interleave(MX_BLOCK, dim=-1)
+    return (data.float() * s).to(dtype)
+
+
+def dequantize_columnwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_columnwise`: data viewed [T, N] (any shape whose trailing dims match scale's)."""
+    T = data.numel() // scale[0].numel() if scale.shape[0] else 0
+    d2 = data.reshape(T, -1).float()
+    s = e8m0_to_fp32(scale.reshape(scale.shape[0], -1)).repeat_interleave(MX_BLOCK, dim=0)[:T]
+    return (d2 * s).reshape(data.shape).to(dtype)

@@ -1,0 +1,99 @@
+"""The whole layer in plain PyTorch (SPEC §1): forward and backward, every knob. The CPU backend and the
+tests' oracle. Inputs are already flattened: x2d [T, K]; cos_h/sin_h [T, R/2] fp32 pair tables.
+
+GEMM operands are the *exact* dense images of the quantized tensors (E4M3 * 2^k is exact in bf16 and fp32),
+multiplied in fp32, so this is MXFP8 arithmetic up to the fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import QProjConfig
+from .mxfp8 import dequantize_columnwise, dequantize_rowwise, quantize_columnwise, quantize_rowwise
+from .rope import apply_rope, apply_rope_inverse
+
+
+def rmsnorm_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
+    """xn = x * rsigma * g in fp32 (g = 1 + w when zero-centered); returns (xn fp32, rsigma fp32 [T])."""
+    xf = x2d.float()
+    rsigma = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    g = norm_weight.float() + 1.0 if zero_centered_gamma else norm_weight.float()
+    return xf * rsigma.unsqueeze(-1) * g, rsigma
+
+
+def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
+                zero_centered_gamma: bool):
+    """dx = rsigma * (dxhat - xhat * mean(dxhat * xhat)), dxhat = dxn * g, xhat = x * rsigma; dg = sum_T dxn*xhat."""
+    xhat = x2d.float() * rsigma.unsqueeze(-1)
+    g = norm_weight.float() + 1.0 if zero_centered_gamma else norm_weight.float()
+    dxhat = dxn.float() * g
+    dx = rsigma.unsqueeze(-1) * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    dg = (dxn.float() * xhat).sum(0)
+    return dx.to(x2d.dtype), dg.to(norm_weight.dtype)
+
+
+def prepare_weight(weight: torch.Tensor, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forward image, dgrad image) of W [N, K] as exact bf16: MXFP8 rowwise (along K) and columnwise (along N)
+    for precision='mxfp8'; W rounded to bf16 for precision='bf16'."""
+    if cfg.precision == "bf16":
+        wb = weight.detach().to(torch.bfloat16)
+        return wb, wb
+    w = weight.detach()
+    fwd = dequantize_rowwise(*quantize_rowwise(w, cfg.scale_mode), dtype=torch.bfloat16)
+    bwd = dequantize_columnwise(*quantize_columnwise(w, cfg.scale_mode), dtype=torch.bfloat16)
+    return fwd, bwd
+
+
+def quantize_output(y: torch.Tensor, cfg: QProjConfig) -> tuple:
+    """y [T, H, D] fp32 -> (row data, row scale [T, H, D/32], col data, col scale [ceil(T/32), H, D]) or (bf16,)."""
+    if cfg.output_format == "bf16":
+        return (y.to(torch.bfloat16),)
+    rd, rs = quantize_rowwise(y, cfg.scale_mode)
+    cd = cs = None
+    if cfg.columnwise_output:
+        T, H, D = y.shape
+        cd, cs = quantize_columnwise(y.reshape(T, H * D), cfg.scale_mode)
+        cd, cs = cd.reshape(T, H, D), cs.reshape(-1, H, D)
+    return rd, rs, cd, cs
+
+
+def qproj_fwd(x2d, norm_weight, w_fwd, cos_h, sin_h, cfg: QProjConfig):
+    """Returns (outputs as in `quantize_output`, rsigma [T], xn_saved) where xn_saved is what wgrad needs:
+    (col data [T, K], col scale [ceil(T/32), K]) for mxfp8, the bf16 xn for bf16 precision."""
+    T = x2d.shape[0]
+    xn, rsigma = rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
+    if cfg.precision == "mxfp8":
+        a = dequantize_rowwise(*quantize_rowwise(xn, cfg.scale_mode))
+        xn_saved = quantize_columnwise(xn, cfg.scale_mode)
+    else:
+        xn_saved = xn.to(torch.bfloat16)
+        a = xn_saved.float()
+    y = (a @ w_fwd.float().t()).reshape(T, cfg.num_heads, cfg.q_head_dim)
+    y = apply_rope(y, cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style)
+    return quantize_output(y, cfg), rsigma, xn_saved
+
+
+def grad_operands(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse RoPE on the query gradient [T, H, D], then the exact images the two GEMMs consume:
+    (dgrad operand: rowwise along N, wgrad operand: columnwise along T), both [T, N] fp32."""
+    T = dq.shape[0]
+    g = apply_rope_inverse(dq.float(), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style).reshape(T, -1)
+    if cfg.precision == "bf16":
+        gb = g.to(torch.bfloat16).float()
+        return gb, gb
+    # rowwise along N == columnwise of the transpose: also covers N % 32 != 0 (partial last block)
+    dt, st = quantize_columnwise(g.t(), cfg.scale_mode)
+    row = dequantize_columnwise(dt, st).t()
+    col = dequantize_columnwise(*quantize_columnwise(g, cfg.scale_mode))
+    return row, col
+
+
+def qproj_bwd(dq, x2d, rsigma, xn_saved, norm_weight, w_bwd, cos_h, sin_h, cfg: QProjConfig):
+    """Returns (dx [T, K] in x's dtype, dnorm_weight, dW fp32 [N, K])."""
+    dy_row, dy_col = grad_operands(dq, cos_h, sin_h, cfg)
+    xn_op = dequantize_columnwise(*xn_saved) if cfg.precision == "mxfp8" else xn_saved.float()
+    dxn = dy_row @ w_bwd.float()
+    dw = dy_col.t() @ xn_op
+    dx, dg = rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, cfg.zero_centered_gamma)
+    return dx, dg, dw
