@@ -77,14 +77,13 @@ class MXFP8Tensor(torch.Tensor):
         _check_fields(shape, dtype, **fields)
         validate_choice("scale_mode", scale_mode, SCALE_MODES)
         ref = rowwise_data if rowwise_data is not None else columnwise_data
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=ref.device, requires_grad=requires_grad)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=ref.device, requires_grad=requires_grad
+        )
         for name, value in fields.items():
             setattr(self, name, value)
         self.scale_mode = scale_mode
         return self
-
-    def __init__(self, **kwargs: Any) -> None:  # everything is set in __new__
-        super().__init__()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense tensor ``fp8 * 2^(byte - 127)``, computed in fp32 and cast once to `dtype` (default: self.dtype).
@@ -175,15 +174,18 @@ def _check_fields(shape: torch.Size, dtype: torch.dtype, **fields: torch.Tensor 
     if "rowwise" in present:
         expected = shape[:-1] + (shape[-1] // MX_BLOCK,)
         if shape[-1] % MX_BLOCK or fields["rowwise_scale"].shape != expected:
-            raise ValueError(f"rowwise_scale shape {tuple(fields['rowwise_scale'].shape)} != {tuple(expected)} "
-                             f"(last dim must be a multiple of {MX_BLOCK})")
+            raise ValueError(
+                f"rowwise_scale shape {tuple(fields['rowwise_scale'].shape)} != {tuple(expected)} "
+                f"(last dim must be a multiple of {MX_BLOCK})"
+            )
     if "columnwise" in present:
         cs = fields["columnwise_scale"].shape
         lead = len(shape) - (len(cs) - 1)
         T = math.prod(shape[:lead]) if lead >= 0 else -1
         if len(cs) < 2 or lead < 0 or cs[1:] != shape[lead:] or cs[0] != -(-T // MX_BLOCK):
-            raise ValueError(f"columnwise_scale shape {tuple(cs)} != [ceil(T/{MX_BLOCK}), *trailing dims of "
-                             f"{tuple(shape)}]")
+            raise ValueError(
+                f"columnwise_scale shape {tuple(cs)} != [ceil(T/{MX_BLOCK}), *trailing dims of {tuple(shape)}]"
+            )
 
 
 def _dequantize_fields(t: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -59,8 +59,8 @@ def e8m0_from_amax(amax, SCALE_MODE: tl.constexpr):
 @triton.jit
 def quant_multiplier(byte):
     """r = 1 for byte 0, else 2^(127 - byte); byte >= 254 gives the subnormal 2^-127 (only inf/NaN blocks)."""
-    r = ((254 - tl.minimum(byte, 253)) << 23).to(tl.float32, bitcast=True)
-    r = tl.where(byte >= 254, (0x00400000).to(tl.float32, bitcast=True), r)
+    bits = tl.where(byte >= 254, 0x00400000, (254 - tl.minimum(byte, 253)) << 23)
+    r = bits.to(tl.float32, bitcast=True)
     return tl.where(byte == 0, 1.0, r)
 
 

@@ -6,6 +6,8 @@ Triton kernels (GPU and interpreter) can reproduce it exactly.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._constants import E4M3_MAX, E8M0_BIAS, E8M0_MAX, E8M0_NAN, MX_BLOCK
@@ -132,7 +134,8 @@ def dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 def dequantize_columnwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_columnwise`: data viewed [T, N] (any shape whose trailing dims match scale's)."""
-    T = data.numel() // scale[0].numel() if scale.shape[0] else 0
-    d2 = data.reshape(T, -1).float()
-    s = e8m0_to_fp32(scale.reshape(scale.shape[0], -1)).repeat_interleave(MX_BLOCK, dim=0)[:T]
+    n = math.prod(scale.shape[1:])
+    T = data.numel() // n if n else 0
+    d2 = data.reshape(T, n).float()
+    s = e8m0_to_fp32(scale.reshape(scale.shape[0], n)).repeat_interleave(MX_BLOCK, dim=0)[:T]
     return (d2 * s).reshape(data.shape).to(dtype)

@@ -78,6 +78,7 @@ def grad_operands(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple[tor
     """Inverse RoPE on the query gradient [T, H, D], then the exact images the two GEMMs consume:
     (dgrad operand: rowwise along N, wgrad operand: columnwise along T), both [T, N] fp32."""
     T = dq.shape[0]
+    dq = dq.reshape(T, cfg.num_heads, cfg.q_head_dim)
     g = apply_rope_inverse(dq.float(), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style).reshape(T, -1)
     if cfg.precision == "bf16":
         gb = g.to(torch.bfloat16).float()

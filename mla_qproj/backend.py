@@ -1,0 +1,161 @@
+"""Backend choice and the two implementations of the layer's forward/backward (same signatures).
+
+GEMM map (T tokens, K = q_lora_rank, N = num_heads * q_head_dim); every operand is the exact bf16 image of
+its MXFP8 quantization (E4M3 * 2^k is exact in bf16), so a bf16 GEMM with fp32 accumulation computes the
+MXFP8 product up to the fp32 summation order:
+    forward  y   [T, N] = xn_q(rowwise, along K) @ W_q(rowwise, along K)^T
+    dgrad    dxn [T, K] = dy_q(rowwise, along N) @ W_q(columnwise, along N)
+    wgrad    dW  [N, K] = dy_q(columnwise, along T)^T @ xn_q(columnwise, along T)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ._config import QProjConfig
+from .reference import qproj as ref
+from .reference.mxfp8 import dequantize_columnwise, dequantize_rowwise
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str, device: torch.device) -> bool:
+    """True when the Triton kernels run: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    triton_ok = device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+    if backend == "torch":
+        return False
+    if backend == "triton" and not triton_ok:
+        raise ValueError(f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (got device {device})")
+    return triton_ok
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 accumulation and fp32 result (cuBLAS bf16 -> fp32 on CUDA)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _mm_accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b in fp32 without a separate product buffer where cuBLAS allows it."""
+    if a.is_cuda:
+        try:
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    out.add_(_mm_fp32(a, b))
+
+
+@dataclass
+class PreparedWeight:
+    """What the GEMMs consume of W, derived once per weight version: the forward operand (maybe rearranged
+    for the fused kernel) and the dgrad operand (columnwise along N)."""
+
+    key: tuple
+    fwd: torch.Tensor  # [N, K] bf16 image
+    bwd: torch.Tensor  # [N, K] bf16 image
+    fused: torch.Tensor | None = None  # rearranged forward operand for the fused GEMM kernel
+
+
+def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, use_triton: bool, key: tuple) -> PreparedWeight:
+    w = weight.detach()
+    if not use_triton:
+        return PreparedWeight(key, *ref.prepare_weight(w, cfg))
+    if cfg.precision == "bf16":
+        fwd = bwd = w.to(torch.bfloat16)
+    else:
+        from .ops import mxfp8_quantize_2d_op
+
+        rd, rs, cd, cs = mxfp8_quantize_2d_op(w, True, True, cfg.scale_mode)
+        fwd = dequantize_rowwise(rd, rs, torch.bfloat16)
+        bwd = dequantize_columnwise(cd, cs, torch.bfloat16)
+    fused = None
+    gemm = _fused_gemm()
+    if gemm is not None and w.is_cuda and gemm.fused_gemm_supported(cfg):
+        fused = gemm.prepare_fused_weight(fwd, cfg)
+    return PreparedWeight(key, fwd, bwd, fused)
+
+
+def _fused_gemm():
+    try:
+        from .kernels import qproj_gemm
+    except ImportError:  # pragma: no cover - the fused kernel is optional
+        return None
+    return qproj_gemm
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, use_triton: bool):
+    """Returns (outputs as reference.qproj.quantize_output, rsigma, xn_saved)."""
+    if not use_triton:
+        return ref.qproj_fwd(x2d, norm_weight, pw.fwd, cos_h, sin_h, cfg)
+    from .ops import rmsnorm_quant_fwd_op, rope_quant_op
+
+    rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, cfg.precision,
+                                               cfg.scale_mode)
+    xn_saved = (xcd, xcs) if cfg.precision == "mxfp8" else a
+    T, H, D = x2d.shape[0], cfg.num_heads, cfg.q_head_dim
+    if pw.fused is not None:
+        from .kernels.qproj_gemm import qproj_gemm_fwd
+
+        return qproj_gemm_fwd(a, pw.fused, cos_h, sin_h, cfg), rsigma, xn_saved
+    y = _mm_fp32(a, pw.fwd.t())
+    rd, rs, cd, cs = rope_quant_op(y, cos_h, sin_h, H, D, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, False,
+                                   cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+    if cfg.output_format == "bf16":
+        return (rd.view(T, H, D),), rsigma, xn_saved
+    cols = (cd.view(T, H, D), cs.view(-1, H, D)) if cfg.columnwise_output else (None, None)
+    return (rd.view(T, H, D), rs.view(T, H, D // 32), *cols), rsigma, xn_saved
+
+
+# ----------------------------------------------------------------------------------------------- backward
+
+
+def _grad_operands_triton(dq2d, cos_h, sin_h, cfg: QProjConfig):
+    """Inverse RoPE + the dgrad (rowwise along N) and wgrad (columnwise along T) operands as bf16 images."""
+    from .ops import mxfp8_quantize_2d_op, rope_quant_op
+
+    args = (cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, True)
+    if cfg.precision == "bf16":
+        g = rope_quant_op(dq2d, *args, "bf16", False, cfg.scale_mode)[0]
+        return g, g
+    if cfg.q_head_dim % 32 == 0:  # the N-blocks stay inside a head: one fused pass
+        row, _, col, _ = rope_quant_op(dq2d, *args, "mxfp8_images", True, cfg.scale_mode)
+        return row, col
+    # general geometry: N-blocks cross heads (partial last block): rotate, then quantize the [T, N] tensor
+    g = rope_quant_op(dq2d, *args, "fp32", False, cfg.scale_mode)[0]
+    _, _, cdt, cst = mxfp8_quantize_2d_op(g.t(), False, True, cfg.scale_mode)  # along N == columnwise of g^T
+    _, _, cd, cs = mxfp8_quantize_2d_op(g, False, True, cfg.scale_mode)
+    row = dequantize_columnwise(cdt, cst, torch.bfloat16).t()
+    return row, dequantize_columnwise(cd, cs, torch.bfloat16)
+
+
+def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig,
+             use_triton: bool, main_grad: torch.Tensor | None = None):
+    """Returns (dx, dnorm_weight, dW fp32 or None when accumulated into main_grad)."""
+    if not use_triton:
+        dx, dg, dw = ref.qproj_bwd(dq2d, x2d, rsigma, xn_saved, norm_weight, pw.bwd, cos_h, sin_h, cfg)
+        if main_grad is not None:
+            main_grad.add_(dw)
+            dw = None
+        return dx, dg, dw
+    from .ops import rmsnorm_bwd_op
+
+    dy_row, dy_col = _grad_operands_triton(dq2d, cos_h, sin_h, cfg)
+    xn_img = dequantize_columnwise(*xn_saved, torch.bfloat16) if cfg.precision == "mxfp8" else xn_saved
+    dxn = _mm_fp32(dy_row, pw.bwd)
+    if main_grad is not None:
+        _mm_accumulate(main_grad, dy_col.t(), xn_img)
+        dw = None
+    else:
+        dw = _mm_fp32(dy_col.t(), xn_img)
+    dx, dg = rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, cfg.zero_centered_gamma)
+    return dx, dg, dw

@@ -1,0 +1,63 @@
+"""Autograd core: `_FusedMLAQUpProjFunction` only does ctx bookkeeping; the math lives in `backend`.
+
+Saved for backward: x (as given, [T, K]), rsigma (fp32 [T]), and xn's columnwise MXFP8 (fp8 [T, K] + one
+scale byte per 32 tokens per column) — or xn in bf16 for precision='bf16' — plus the [T, R/2] fp32 pair
+tables. The dgrad weight operand comes from the module's weight cache, not from ctx.
+See backend.py for the GEMM map.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend
+from ._config import QProjConfig
+from .tensor import MXFP8Tensor
+
+
+class _FusedMLAQUpProjFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, norm_weight, weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool):
+        lead = x.shape[:-1]
+        # the kernels need a unit inner stride; a [b, s] / [s, b] layout is fine, other strides are copied here
+        x2d = x.reshape(-1, cfg.q_lora_rank)
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        outs, rsigma, xn_saved = backend.forward(x2d, norm_weight, pw, cos_h, sin_h, cfg, use_triton)
+        xn_t = tuple(xn_saved) if isinstance(xn_saved, tuple) else (xn_saved,)
+        ctx.save_for_backward(x2d, rsigma, norm_weight, cos_h, sin_h, *xn_t)
+        ctx.pw, ctx.cfg, ctx.use_triton, ctx.x_shape = pw, cfg, use_triton, x.shape
+        ctx.weight = weight  # a parameter (no copy): used for main_grad and dtype in backward
+        H, D = cfg.num_heads, cfg.q_head_dim
+        qshape = lead + (H, D)
+        if cfg.output_format == "bf16":
+            return outs[0].view(qshape)
+        rd, rs, cd, cs = outs
+        return MXFP8Tensor(
+            shape=qshape, dtype=x.dtype, scale_mode=cfg.scale_mode,
+            rowwise_data=rd.view(qshape), rowwise_scale=rs.view(lead + (H, D // 32)),
+            columnwise_data=None if cd is None else cd.view(qshape),
+            columnwise_scale=None if cs is None else cs.view(-1, H, D),
+        )
+
+    @staticmethod
+    def backward(ctx, dq):
+        cfg: QProjConfig = ctx.cfg
+        x2d, rsigma, norm_weight, cos_h, sin_h, *xn_t = ctx.saved_tensors
+        xn_saved = tuple(xn_t) if cfg.precision == "mxfp8" else xn_t[0]
+        if isinstance(dq, MXFP8Tensor):
+            dq = dq.dequantize()
+        dq2d = dq.reshape(x2d.shape[0], cfg.out_features)
+        if dq2d.stride(-1) != 1 or dq2d.stride(0) != cfg.out_features:
+            dq2d = dq2d.contiguous()
+        weight = ctx.weight
+        main_grad = getattr(weight, "main_grad", None) if ctx.needs_input_grad[2] else None
+        dx, dg, dw = backend.backward(dq2d, x2d, rsigma, xn_saved, norm_weight, ctx.pw, cos_h, sin_h, cfg,
+                                      ctx.use_triton, main_grad=main_grad)
+        if dw is None:  # Megatron convention: accumulated into weight.main_grad
+            if hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
+        else:
+            dw = dw.to(weight.dtype)
+        return (dx.view(ctx.x_shape), dg if ctx.needs_input_grad[1] else None,
+                dw if ctx.needs_input_grad[2] else None, None, None, None, None, None)

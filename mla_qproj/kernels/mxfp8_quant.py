@@ -1,0 +1,70 @@
+"""Standalone MXFP8 quantize kernel behind `mxfp8_quantize` (SPEC §2): one read of a [T, N] view gives the
+rowwise (32-blocks along N) and/or columnwise (32-blocks along T, last block partial) encodings."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._constants import MX_BLOCK
+from ._common import e8m0_from_amax, nan_ignoring_amax, quantize_to_e4m3
+
+
+@triton.jit
+def _mxfp8_quant_kernel(
+    x_ptr, stride_xt, stride_xn,
+    row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
+    T, N,
+    ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One [32, BLOCK_N] tile: amax per 32-block (NaN-ignoring), E8M0 byte, elements rounded onto E4M3."""
+    i_t, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_t = i_t * 32 + tl.arange(0, 32)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_t, m_n = o_t < T, o_n < N
+    m = m_t[:, None] & m_n[None, :]
+    # rows/cols outside the tensor load as NaN: the amax ignores them (partial columnwise block)
+    b_x = tl.load(x_ptr + o_t[:, None] * stride_xt + o_n[None, :] * stride_xn, mask=m, other=float("nan"))
+    b_x = b_x.to(tl.float32)  # [32, BLOCK_N]
+    if ROWWISE:
+        NB: tl.constexpr = BLOCK_N // 32
+        b_xr = tl.reshape(b_x, (32, NB, 32))
+        b_byte = e8m0_from_amax(nan_ignoring_amax(b_xr, 2), SCALE_MODE)  # [32, NB]
+        b_q = tl.reshape(quantize_to_e4m3(b_xr, b_byte[:, :, None]), (32, BLOCK_N))
+        tl.store(row_data_ptr + o_t[:, None] * N + o_n[None, :], b_q, mask=m)
+        o_b = i_n * NB + tl.arange(0, NB)
+        m_b = m_t[:, None] & (o_b < N // 32)[None, :]
+        tl.store(row_scale_ptr + o_t[:, None] * (N // 32) + o_b[None, :], b_byte.to(tl.uint8), mask=m_b)
+    if COLUMNWISE:
+        b_byte = e8m0_from_amax(nan_ignoring_amax(b_x, 0), SCALE_MODE)  # [BLOCK_N]
+        b_q = quantize_to_e4m3(b_x, b_byte[None, :])
+        tl.store(col_data_ptr + o_t[:, None] * N + o_n[None, :], b_q, mask=m)
+        tl.store(col_scale_ptr + i_t * N + o_n, b_byte.to(tl.uint8), mask=m_n)
+
+
+def mxfp8_quant_2d(x2d: torch.Tensor, rowwise: bool, columnwise: bool, scale_mode: str):
+    """Quantize a 2-D view [T, N] (any strides). Returns (row_data, row_scale, col_data, col_scale); absent
+    orientations are empty tensors. Rowwise needs N % 32 == 0 (checked by the caller)."""
+    T, N = x2d.shape
+    dev = x2d.device
+    f8 = torch.float8_e4m3fn
+    nbt = triton.cdiv(T, MX_BLOCK)
+    rd = torch.empty((T, N) if rowwise else (0,), dtype=f8, device=dev)
+    rs = torch.empty((T, N // MX_BLOCK) if rowwise else (0,), dtype=torch.uint8, device=dev)
+    cd = torch.empty((T, N) if columnwise else (0,), dtype=f8, device=dev)
+    cs = torch.empty((nbt, N) if columnwise else (0,), dtype=torch.uint8, device=dev)
+    if T == 0 or N == 0:
+        return rd, rs, cd, cs
+    BLOCK_N = 128 if N >= 128 else 64 if N >= 64 else 32
+
+    def grid(meta):
+        return (nbt, triton.cdiv(N, meta["BLOCK_N"]))
+
+    _mxfp8_quant_kernel[grid](
+        x_ptr=x2d, stride_xt=x2d.stride(0), stride_xn=x2d.stride(1),
+        row_data_ptr=rd, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs,
+        T=T, N=N, ROWWISE=rowwise, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, BLOCK_N=BLOCK_N,
+        num_warps=4,
+    )
+    return rd, rs, cd, cs

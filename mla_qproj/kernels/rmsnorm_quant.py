@@ -1,0 +1,79 @@
+"""RMSNorm forward fused with the GEMM-input quantization (SPEC §1.1-1.2): one program per 32 tokens reads x
+twice from L2 (sum of squares, then normalize), and writes rsigma, the exact bf16 image of the rowwise
+MXFP8 xn (the forward GEMM's A operand) and the columnwise MXFP8 xn (saved for wgrad). xn is never rounded
+to bf16 before quantization. precision='bf16' writes xn rounded once to bf16 instead."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._constants import MX_BLOCK
+from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3
+
+
+@triton.jit
+def _rmsnorm_quant_fwd_kernel(
+    x_ptr, stride_x, w_ptr, rsigma_ptr, a_ptr, col_data_ptr, col_scale_ptr,
+    T, eps, K: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, PRECISION: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """rsigma = 1/sqrt(mean(x^2) + eps); xn = x * rsigma * g (fp32); A = dequant(quant_row(xn)) as bf16."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_t = i_t * 32 + tl.arange(0, 32)
+    m_t = o_t < T
+    b_ss = tl.zeros([32, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_ss += b_x * b_x
+    # correctly rounded sqrt and division (tl.rsqrt is approximate on the GPU)
+    b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))  # [32]
+    tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)
+    NB: tl.constexpr = BLOCK_K // 32
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        m = m_t[:, None] & m_k[None, :]
+        # rows past T load as NaN so the columnwise amax ignores them (partial last block)
+        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=float("nan")).to(tl.float32)
+        b_g = tl.load(w_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            b_g = b_g + 1.0
+        b_xn = b_x * b_rsigma[:, None] * b_g[None, :]  # [32, BLOCK_K], same op order as the reference
+        p_a = a_ptr + o_t[:, None] * K + o_k[None, :]
+        if PRECISION == "mxfp8":
+            b_xr = tl.reshape(b_xn, (32, NB, 32))
+            b_byte = e8m0_from_amax(nan_ignoring_amax(b_xr, 2), SCALE_MODE)  # [32, NB]
+            b_q = quantize_to_e4m3(b_xr, b_byte[:, :, None]).to(tl.float32) * e8m0_to_fp32(b_byte)[:, :, None]
+            tl.store(p_a, tl.reshape(b_q, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
+            b_cbyte = e8m0_from_amax(nan_ignoring_amax(b_xn, 0), SCALE_MODE)  # [BLOCK_K]
+            tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], quantize_to_e4m3(b_xn, b_cbyte[None, :]), mask=m)
+            tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
+        else:
+            tl.static_assert(PRECISION == "bf16")
+            tl.store(p_a, b_xn.to(tl.bfloat16), mask=m)
+
+
+def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
+                      precision: str, scale_mode: str):
+    """x2d [T, K] (unit inner stride) -> (rsigma [T] fp32, A [T, K] bf16, col_data [T, K] fp8,
+    col_scale [ceil(T/32), K] uint8); the columnwise pair is empty for precision='bf16'."""
+    T, K = x2d.shape
+    dev = x2d.device
+    mx = precision == "mxfp8"
+    rsigma = torch.empty(T, dtype=torch.float32, device=dev)
+    a = torch.empty((T, K), dtype=torch.bfloat16, device=dev)
+    cd = torch.empty((T, K) if mx else (0,), dtype=torch.float8_e4m3fn, device=dev)
+    cs = torch.empty((triton.cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8, device=dev)
+    if T == 0:
+        return rsigma, a, cd, cs
+    _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32),)](
+        x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
+        col_data_ptr=cd, col_scale_ptr=cs, T=T, K=K, eps=eps,
+        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode,
+        BLOCK_K=128 if K >= 128 else 64 if K >= 64 else 32, num_warps=8,
+    )
+    return rsigma, a, cd, cs

@@ -1,0 +1,200 @@
+"""`FusedMLAQUpProjection`: parameters, validation, RoPE tables and the quantized-weight cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import backend as _backend
+from ._config import BACKENDS, QProjConfig, validate_choice
+from .function import _FusedMLAQUpProjFunction
+from .reference.rope import half_table, normalize_rope_scaling, rope_inv_freq
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FusedMLAQUpProjection(nn.Module):
+    """q = RoPE(W_uq · RMSNorm(x)) for Multi-head Latent Attention, with MXFP8 GEMM inputs and query (SPEC §1).
+
+    Args:
+        q_lora_rank: K, width of the latent x (multiple of 32).
+        num_heads: H.
+        qk_head_dim: per-head columns that pass through (no RoPE).
+        qk_pos_emb_head_dim: R, per-head RoPE columns (even, > 0), starting at column qk_head_dim.
+        q_head_dim: D, per-head width (default qk_head_dim + R); trailing columns past nope + R pass through.
+        eps, zero_centered_gamma: RMSNorm (g = 1 + norm_weight when zero-centered).
+        rope_style: "deepseek" (interleaved pairs, de-interleaved output), "neox" or "gptj" (SPEC §3).
+        precision: "mxfp8" or "bf16" GEMM inputs. output_format: "mxfp8" (MXFP8Tensor) or "bf16".
+        columnwise_output: also produce the query's columnwise MXFP8 (32-blocks along T).
+        scale_mode: "rceil" (TransformerEngine-compatible, default) or "floor" (OCP v1.0).
+        rope_theta, rope_scaling: built-in tables for `position_ids` (None or a YaRN dict, HF or DeepSeek form).
+        backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else PyTorch), "triton", "torch".
+
+    Shapes: x [..., K] (any leading layout) -> q [..., H, D]; cos/sin broadcast against [..., R] (or [..., R/2]);
+    position_ids broadcast against x.shape[:-1].
+
+    Example:
+        >>> layer = FusedMLAQUpProjection(1536, 128, 128, 64)
+        >>> q = layer(x, position_ids=torch.arange(x.shape[0]))   # x: [T, 1536] -> MXFP8Tensor [T, 128, 192]
+    """
+
+    def __init__(self, q_lora_rank: int, num_heads: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
+                 q_head_dim: int | None = None, eps: float = 1e-6, zero_centered_gamma: bool = False,
+                 rope_style: str = "deepseek", precision: str = "mxfp8", output_format: str = "mxfp8",
+                 columnwise_output: bool = False, scale_mode: str = "rceil", rope_theta: float = 10000.0,
+                 rope_scaling: dict | None = None, backend: str = "auto", device=None, dtype=None) -> None:
+        super().__init__()
+        self.cfg = QProjConfig.make(q_lora_rank, num_heads, qk_head_dim, qk_pos_emb_head_dim, q_head_dim, eps,
+                                    zero_centered_gamma, rope_style, precision, output_format, columnwise_output,
+                                    scale_mode)
+        self.backend = validate_choice("backend", backend, BACKENDS)
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
+            raise ValueError(f"rope_theta must be a positive number, got {rope_theta!r}")
+        self.rope_theta = float(rope_theta)
+        self.rope_scaling = normalize_rope_scaling(rope_scaling)
+        inv_freq, self.attention_scaling = rope_inv_freq(self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        factory_kwargs = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.cfg.out_features, q_lora_rank, **factory_kwargs))
+        self.norm_weight = nn.Parameter(torch.empty(q_lora_rank, **factory_kwargs))
+        self._wcache: _backend.PreparedWeight | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
+        if self.cfg.zero_centered_gamma:
+            nn.init.zeros_(self.norm_weight)
+        else:
+            nn.init.ones_(self.norm_weight)
+        self._wcache = None
+
+    # ------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_modules(cls, norm: nn.Module, linear: nn.Module, *, num_heads: int, qk_head_dim: int,
+                     qk_pos_emb_head_dim: int, **kwargs) -> FusedMLAQUpProjection:
+        """Wrap an existing RMSNorm and bias-free Linear, sharing (not copying) their weights.
+
+        eps comes from the norm's `eps` or `variance_epsilon` (unless given); q_head_dim defaults to
+        linear.out_features // num_heads. Raises ValueError when the shapes do not fit.
+        """
+        nw = getattr(norm, "weight", None)
+        lw = getattr(linear, "weight", None)
+        if not isinstance(nw, nn.Parameter) or nw.dim() != 1:
+            raise ValueError("norm must have a 1-D `weight` parameter (an RMSNorm with elementwise affine)")
+        if not isinstance(lw, nn.Parameter) or lw.dim() != 2:
+            raise ValueError("linear must have a 2-D `weight` parameter [out_features, in_features]")
+        if getattr(linear, "bias", None) is not None:
+            raise ValueError("linear must have no bias (the MLA query up-projection has none)")
+        if lw.shape[1] != nw.shape[0]:
+            raise ValueError(f"linear in_features ({lw.shape[1]}) must equal norm size ({nw.shape[0]})")
+        if "eps" not in kwargs:
+            eps = getattr(norm, "eps", None)
+            if eps is None:
+                eps = getattr(norm, "variance_epsilon", None)
+            if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
+                eps = torch.finfo(nw.dtype).eps
+            kwargs["eps"] = float(eps)
+        if not isinstance(num_heads, int) or num_heads <= 0 or lw.shape[0] % num_heads:
+            raise ValueError(f"linear out_features ({lw.shape[0]}) must be a multiple of num_heads ({num_heads})")
+        kwargs.setdefault("q_head_dim", lw.shape[0] // num_heads)
+        if kwargs["q_head_dim"] * num_heads != lw.shape[0]:
+            raise ValueError(f"num_heads * q_head_dim must equal linear out_features ({lw.shape[0]})")
+        layer = cls(lw.shape[1], num_heads, qk_head_dim, qk_pos_emb_head_dim, device=lw.device, dtype=lw.dtype,
+                    **kwargs)
+        layer.weight = lw  # shared: the user's optimizer and state dict keep working
+        layer.norm_weight = nw
+        return layer
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        s = (f"q_lora_rank={c.q_lora_rank}, num_heads={c.num_heads}, qk_head_dim={c.qk_head_dim}, "
+             f"qk_pos_emb_head_dim={c.rope_dim}, q_head_dim={c.q_head_dim}, eps={c.eps}, rope_style={c.rope_style}, "
+             f"precision={c.precision}, output_format={c.output_format}, scale_mode={c.scale_mode}")
+        if c.columnwise_output:
+            s += ", columnwise_output=True"
+        if c.zero_centered_gamma:
+            s += ", zero_centered_gamma=True"
+        if self.rope_scaling is not None:
+            s += f", rope_scaling={self.rope_scaling.get('rope_type', self.rope_scaling.get('type'))}"
+        return s + f", backend={self.backend}"
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def _prepared_weight(self, use_triton: bool) -> _backend.PreparedWeight:
+        w = self.weight
+        # _version moves with every in-place update (optimizer steps included); the storage pointer with
+        # re-assignment of .data or a new Parameter
+        key = (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape), use_triton)
+        if self._wcache is None or self._wcache.key != key:
+            self._wcache = _backend.prepare_weight(w, self.cfg, use_triton, key)
+        return self._wcache
+
+    def _pair_tables(self, x: torch.Tensor, cos, sin, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        lead = x.shape[:-1]
+        T = math.prod(lead)
+        half = self.cfg.rope_dim // 2
+        if position_ids is not None:
+            if cos is not None or sin is not None:
+                raise ValueError("pass either (cos, sin) or position_ids, not both")
+            if not isinstance(position_ids, torch.Tensor):
+                raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+            if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+                raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+            if position_ids.device != x.device:
+                raise ValueError(f"position_ids is on {position_ids.device}, x on {x.device}")
+            try:
+                torch.broadcast_shapes(position_ids.shape, lead)
+            except RuntimeError as e:
+                raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} does not broadcast against "
+                                 f"x.shape[:-1] = {tuple(lead)}") from e
+            freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.to(x.device)
+            c, s = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        else:
+            if cos is None or sin is None:
+                raise ValueError("pass both cos and sin (or position_ids)")
+            for name, t in (("cos", cos), ("sin", sin)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                if not t.dtype.is_floating_point:
+                    raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+                if t.device != x.device:
+                    raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+                if t.dim() == 0 or t.shape[-1] not in (self.cfg.rope_dim, half):
+                    raise ValueError(f"{name} last dim must be qk_pos_emb_head_dim ({self.cfg.rope_dim}) or half of "
+                                     f"it ({half}), got shape {tuple(t.shape)}")
+                try:
+                    if torch.broadcast_shapes(t.shape[:-1], lead) != lead:
+                        raise RuntimeError
+                except RuntimeError as e:
+                    raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast against "
+                                     f"x.shape[:-1] + (rope_dim,) = {tuple(lead) + (self.cfg.rope_dim,)}") from e
+            c, s = half_table(cos, self.cfg.rope_dim), half_table(sin, self.cfg.rope_dim)
+        c = c.expand(lead + (half,)).reshape(T, half).contiguous()
+        s = s.expand(lead + (half,)).reshape(T, half).contiguous()
+        return c, s
+
+    def _check_x(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _ACT_DTYPES:
+            raise TypeError(f"x dtype must be one of {_ACT_DTYPES}, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.cfg.q_lora_rank:
+            raise ValueError(f"x last dim must be q_lora_rank ({self.cfg.q_lora_rank}), got shape {tuple(x.shape)}")
+        for name, p in (("weight", self.weight), ("norm_weight", self.norm_weight)):
+            if p.device != x.device:
+                raise ValueError(f"x is on {x.device} but {name} is on {p.device}")
+            if p.dtype not in _ACT_DTYPES:
+                raise TypeError(f"{name} dtype must be one of {_ACT_DTYPES}, got {p.dtype}")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor | None = None):
+        """x [..., K] -> q [..., H, D]: an MXFP8Tensor (output_format='mxfp8') or a bf16 tensor."""
+        self._check_x(x)
+        cos_h, sin_h = self._pair_tables(x, cos, sin, position_ids)
+        use_triton = _backend.resolve_backend(self.backend, x.device)
+        pw = self._prepared_weight(use_triton)
+        return _FusedMLAQUpProjFunction.apply(x, self.norm_weight, self.weight, cos_h, sin_h, pw, self.cfg,
+                                              use_triton)

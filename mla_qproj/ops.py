@@ -1,0 +1,90 @@
+"""The Triton launches registered as `torch.library` custom ops (with fake implementations), so that the
+layer can be traced by `torch.compile(fullgraph=True)` and captured in CUDA graphs: no host syncs, output
+shapes depend on input shapes only. Absent outputs are empty tensors (custom ops return no None)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._constants import MX_BLOCK
+from .kernels.mxfp8_quant import mxfp8_quant_2d
+from .kernels.rmsnorm_bwd import rmsnorm_bwd
+from .kernels.rmsnorm_quant import rmsnorm_quant_fwd
+from .kernels.rope_quant import rope_quant
+
+Tensor = torch.Tensor
+_F8 = torch.float8_e4m3fn
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@torch.library.custom_op("mla_qproj::mxfp8_quantize_2d", mutates_args=())
+def mxfp8_quantize_2d_op(x2d: Tensor, rowwise: bool, columnwise: bool, scale_mode: str) -> tuple[
+        Tensor, Tensor, Tensor, Tensor]:
+    return mxfp8_quant_2d(x2d, rowwise, columnwise, scale_mode)
+
+
+@mxfp8_quantize_2d_op.register_fake
+def _(x2d, rowwise, columnwise, scale_mode):
+    T, N = x2d.shape
+    e = x2d.new_empty
+    return (e((T, N) if rowwise else (0,), dtype=_F8), e((T, N // MX_BLOCK) if rowwise else (0,), dtype=torch.uint8),
+            e((T, N) if columnwise else (0,), dtype=_F8),
+            e((_cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=torch.uint8))
+
+
+@torch.library.custom_op("mla_qproj::rmsnorm_quant_fwd", mutates_args=())
+def rmsnorm_quant_fwd_op(x2d: Tensor, norm_weight: Tensor, eps: float, zero_centered_gamma: bool, precision: str,
+                         scale_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return rmsnorm_quant_fwd(x2d, norm_weight, eps, zero_centered_gamma, precision, scale_mode)
+
+
+@rmsnorm_quant_fwd_op.register_fake
+def _(x2d, norm_weight, eps, zero_centered_gamma, precision, scale_mode):
+    T, K = x2d.shape
+    mx = precision == "mxfp8"
+    e = x2d.new_empty
+    return (e((T,), dtype=torch.float32), e((T, K), dtype=torch.bfloat16), e((T, K) if mx else (0,), dtype=_F8),
+            e((_cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8))
+
+
+@torch.library.custom_op("mla_qproj::rope_quant", mutates_args=())
+def rope_quant_op(y2d: Tensor, cos_h: Tensor, sin_h: Tensor, num_heads: int, head_dim: int, qk_head_dim: int,
+                  rope_dim: int, rope_style: str, inverse: bool, mode: str, columnwise: bool,
+                  scale_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Always four outputs: (out, row scale, col data/image, col scale); see kernels.rope_quant."""
+    outs = rope_quant(y2d, cos_h, sin_h, num_heads=num_heads, head_dim=head_dim, qk_head_dim=qk_head_dim,
+                      rope_dim=rope_dim, rope_style=rope_style, inverse=inverse, mode=mode, columnwise=columnwise,
+                      scale_mode=scale_mode)
+    if mode == "mxfp8":
+        return outs
+    empty = y2d.new_empty((0,), dtype=torch.uint8)
+    col = outs[1] if mode == "mxfp8_images" else y2d.new_empty((0,), dtype=torch.bfloat16)
+    return outs[0], empty, col, empty.clone()
+
+
+@rope_quant_op.register_fake
+def _(y2d, cos_h, sin_h, num_heads, head_dim, qk_head_dim, rope_dim, rope_style, inverse, mode, columnwise,
+      scale_mode):
+    T, N = y2d.shape
+    e = y2d.new_empty
+    u8 = torch.uint8
+    if mode == "mxfp8":
+        return (e((T, N), dtype=_F8), e((T, N // MX_BLOCK), dtype=u8), e((T, N) if columnwise else (0,), dtype=_F8),
+                e((_cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=u8))
+    out_dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    col = e((T, N) if (mode == "mxfp8_images" and columnwise) else (0,), dtype=torch.bfloat16)
+    return e((T, N), dtype=out_dtype), e((0,), dtype=u8), col, e((0,), dtype=u8)
+
+
+@torch.library.custom_op("mla_qproj::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd_op(dxn: Tensor, x2d: Tensor, rsigma: Tensor, norm_weight: Tensor,
+                   zero_centered_gamma: bool) -> tuple[Tensor, Tensor]:
+    return rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)
+
+
+@rmsnorm_bwd_op.register_fake
+def _(dxn, x2d, rsigma, norm_weight, zero_centered_gamma):
+    return torch.empty_like(x2d), torch.empty_like(norm_weight)

@@ -1,0 +1,81 @@
+"""`mxfp8_quantize`: the public quantizer (SPEC §2, §4)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import backend as _backend
+from ._config import BACKENDS, SCALE_MODES, validate_choice
+from ._constants import MX_BLOCK
+from .reference import mxfp8 as ref
+from .tensor import MXFP8Tensor
+
+_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _QuantizeSTE(torch.autograd.Function):
+    """Straight-through: the gradient of the quantized tensor passes to the input unchanged."""
+
+    @staticmethod
+    def forward(ctx, t, rowwise, columnwise, scale_mode, use_triton):
+        x2d = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+        if use_triton:
+            from .ops import mxfp8_quantize_2d_op
+
+            rd, rs, cd, cs = mxfp8_quantize_2d_op(x2d, rowwise, columnwise, scale_mode)
+        else:
+            rd, rs = ref.quantize_rowwise(x2d, scale_mode) if rowwise else (None, None)
+            cd, cs = ref.quantize_columnwise(x2d, scale_mode) if columnwise else (None, None)
+        shape = t.shape
+        return MXFP8Tensor(
+            shape=shape, dtype=t.dtype, scale_mode=scale_mode,
+            rowwise_data=rd.view(shape) if rowwise else None,
+            rowwise_scale=rs.view(shape[:-1] + (shape[-1] // MX_BLOCK,)) if rowwise else None,
+            columnwise_data=cd.view(shape) if columnwise else None,
+            columnwise_scale=cs if columnwise else None,
+        )
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, MXFP8Tensor):
+            grad = grad.dequantize()
+        return grad, None, None, None, None
+
+
+def mxfp8_quantize(t: torch.Tensor, rowwise: bool = True, columnwise: bool = False, scale_mode: str = "rceil",
+                   backend: str = "auto") -> MXFP8Tensor:
+    """Quantize `t` to MXFP8 (E4M3 elements, one E8M0 byte per 32-block; SPEC §2).
+
+    Args:
+        t: float32 / bfloat16 / float16 tensor [..., N]; its 2-D view is t.reshape(-1, N) ([T, N]).
+        rowwise: 32-blocks along the last dim (N must be a multiple of 32).
+        columnwise: 32-blocks along T; the last block may be partial.
+        scale_mode: "rceil" (default, TransformerEngine-compatible) or "floor" (OCP v1.0).
+        backend: "auto" | "triton" | "torch" (see FusedMLAQUpProjection).
+    Returns:
+        MXFP8Tensor with `rowwise_data/rowwise_scale` ([..., N // 32]) and/or `columnwise_data/columnwise_scale`
+        ([ceil(T / 32), N]); gradients pass straight through to `t`.
+    Raises:
+        TypeError for a non-tensor or unsupported dtype; ValueError for bad arguments or N % 32 != 0 (rowwise).
+    Example:
+        >>> q = mxfp8_quantize(torch.randn(64, 128), columnwise=True)
+        >>> q.rowwise_scale.shape, q.columnwise_scale.shape
+        (torch.Size([64, 4]), torch.Size([2, 128]))
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _IN_DTYPES:
+        raise TypeError(f"t dtype must be one of {_IN_DTYPES}, got {t.dtype}")
+    validate_choice("scale_mode", scale_mode, SCALE_MODES)
+    validate_choice("backend", backend, BACKENDS)
+    if not isinstance(rowwise, bool) or not isinstance(columnwise, bool):
+        raise TypeError("rowwise and columnwise must be bools")
+    if not (rowwise or columnwise):
+        raise ValueError("at least one of rowwise / columnwise must be True")
+    if t.dim() == 0:
+        raise ValueError("t must have at least one dimension")
+    if rowwise and t.shape[-1] % MX_BLOCK:
+        raise ValueError(f"rowwise quantization needs the last dimension of t to be a multiple of {MX_BLOCK}, "
+                         f"got {t.shape[-1]}")
+    use_triton = _backend.resolve_backend(backend, t.device)
+    return _QuantizeSTE.apply(t, rowwise, columnwise, scale_mode, use_triton)
