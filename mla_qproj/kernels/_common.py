@@ -93,8 +93,12 @@ def round_to_e4m3_grid(x):
 
 @triton.jit
 def quantize_to_e4m3(x, byte):
-    """Elements of one block: round(x * r) on the E4M3 grid, then the (exact) cast."""
-    return round_to_e4m3_grid(x * quant_multiplier(byte)).to(tl.float8e4nv)
+    """Elements of one block: round(x * r) on the E4M3 grid, then the (exact) cast. NaN is written as the
+    E4M3 NaN code 0x7F with its sign explicitly (the interpreter's cast of NaN gives other codes)."""
+    y = round_to_e4m3_grid(x * quant_multiplier(byte))
+    code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    nan_code = (0x7F | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
+    return tl.where(y == y, code, nan_code).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -135,3 +139,13 @@ def rope_sources(p, HALF: tl.constexpr, STYLE: tl.constexpr, INVERSE: tl.constex
     else:
         sign = tl.where(lo_first, -1.0, 1.0)
     return src1, src2, sign, pair
+
+
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> bf16 with round-to-nearest-even done on the bits, then the (exact) cast: the interpreter's
+    fp32 -> bf16 cast does not round to nearest-even, the GPU's does; this makes both match torch."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    y = bits.to(tl.float32, bitcast=True)
+    return tl.where(x == x, y, x).to(tl.bfloat16)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .._constants import MX_BLOCK
-from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3
+from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3, round_to_bf16
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def _rmsnorm_quant_fwd_kernel(
             tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
         else:
             tl.static_assert(PRECISION == "bf16")
-            tl.store(p_a, b_xn.to(tl.bfloat16), mask=m)
+            tl.store(p_a, round_to_bf16(b_xn), mask=m)
 
 
 def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .._constants import MX_BLOCK
-from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3, rope_sources
+from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3, rope_sources, round_to_bf16
 
 
 @triton.jit
@@ -74,7 +74,7 @@ def _rope_quant_kernel(
                 b_cimg = b_cq.to(tl.float32) * e8m0_to_fp32(b_cbyte)[None, :]
                 tl.store(col_data_ptr + o_out, b_cimg.to(tl.bfloat16), mask=m)
     elif MODE == "bf16":
-        tl.store(out_ptr + o_out, b_o.to(tl.bfloat16), mask=m)
+        tl.store(out_ptr + o_out, round_to_bf16(b_o), mask=m)
     else:
         tl.static_assert(MODE == "fp32")
         tl.store(out_ptr + o_out, b_o, mask=m)

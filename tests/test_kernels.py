@@ -1,0 +1,138 @@
+"""Fused kernels vs the reference: RMSNorm+quant (bytes exact given the kernel's rsigma), RoPE+quant both ways
+(bit exact: fp32 RoPE with the same operation order), RMSNorm backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _tolerances import assert_bytes_equal, assert_rel_err
+from conftest import DEVICE
+from mla_qproj._config import QProjConfig
+from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd
+from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
+from mla_qproj.kernels.rope_quant import rope_quant
+from mla_qproj.reference import mxfp8 as RM
+from mla_qproj.reference import qproj as RQ
+from mla_qproj.reference import rope as RR
+
+GEOMS = [  # (H, nope, rope, D)
+    (3, 16, 16, 32),
+    (2, 0, 32, 32),  # no pass-through
+    (2, 24, 40, 96),  # trailing pass-through, rope not a multiple of 32
+    (1, 128, 64, 192),  # DeepSeek head
+]
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("zc", [False, True])
+@pytest.mark.parametrize("T", [1, 33, 64])
+def test_rmsnorm_quant(precision, zc, T):
+    K = 96
+    x = (torch.randn(T, K) * 3).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(K, device=DEVICE)
+    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, zc, precision, "rceil")
+    _, rs_ref = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
+    assert_rel_err(rs, rs_ref, 1e-6, "rsigma")
+    # same rsigma -> the quantized bytes must be identical to the reference (no tolerance)
+    g = w.float() + 1 if zc else w.float()
+    xn = x.float() * rs[:, None] * g
+    if precision == "mxfp8":
+        assert_bytes_equal(a, RM.dequantize_rowwise(*RM.quantize_rowwise(xn), dtype=torch.bfloat16), "A image")
+        rcd, rcs = RM.quantize_columnwise(xn)
+        assert_bytes_equal(cd, rcd, "xn columnwise data")
+        assert_bytes_equal(cs, rcs, "xn columnwise scale")
+    else:
+        assert_bytes_equal(a, xn.to(torch.bfloat16), "xn bf16")
+
+
+@pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])
+@pytest.mark.parametrize("geom", GEOMS)
+def test_rope_quant_forward(style, geom):
+    H, nope, R, D = geom
+    T = 37
+    y = torch.randn(T, H * D, device=DEVICE) * 4
+    c, s = torch.randn(T, R // 2, device=DEVICE), torch.randn(T, R // 2, device=DEVICE)
+    cfg = QProjConfig.make(32, H, nope, R, D, rope_style=style, columnwise_output=True)
+    y_ref = RR.apply_rope(y.view(T, H, D), c, s, nope, R, style)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=False,
+              scale_mode="rceil")
+    (out,) = rope_quant(y, c, s, mode="fp32", columnwise=False, **kw)
+    assert_bytes_equal(out.view(T, H, D), y_ref, "rope fp32")
+    rd, rs, cd, cs = rope_quant(y, c, s, mode="mxfp8", columnwise=True, **kw)
+    ref = RQ.quantize_output(y_ref, cfg)
+    assert_bytes_equal(rd.view(T, H, D), ref[0], "q rowwise data")
+    assert_bytes_equal(rs.view(T, H, D // 32), ref[1], "q rowwise scale")
+    assert_bytes_equal(cd.view(T, H, D), ref[2], "q columnwise data")
+    assert_bytes_equal(cs.view(-1, H, D), ref[3], "q columnwise scale")
+    (ob,) = rope_quant(y, c, s, mode="bf16", columnwise=False, **kw)
+    assert_bytes_equal(ob.view(T, H, D), y_ref.to(torch.bfloat16), "q bf16")
+
+
+@pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])
+@pytest.mark.parametrize("geom", GEOMS)
+def test_rope_quant_inverse_and_images(style, geom):
+    H, nope, R, D = geom
+    T = 33
+    g = torch.randn(T, H * D, device=DEVICE)
+    c, s = torch.randn(T, R // 2, device=DEVICE), torch.randn(T, R // 2, device=DEVICE)
+    cfg = QProjConfig.make(32, H, nope, R, D, rope_style=style)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=True,
+              scale_mode="rceil")
+    (out,) = rope_quant(g, c, s, mode="fp32", columnwise=False, **kw)
+    assert_bytes_equal(out.view(T, H, D), RR.apply_rope_inverse(g.view(T, H, D), c, s, nope, R, style), "inverse")
+    row, col = rope_quant(g, c, s, mode="mxfp8_images", columnwise=True, **kw)
+    rrow, rcol = RQ.grad_operands(g.view(T, H, D), c, s, cfg)
+    assert_bytes_equal(row, rrow.to(torch.bfloat16), "dgrad operand")
+    assert_bytes_equal(col, rcol.to(torch.bfloat16), "wgrad operand")
+
+
+@pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])
+def test_rope_kernel_stays_inside_heads(style):
+    """Poison every column outside [nope, nope + R) of each head with NaN: rope columns must stay finite."""
+    H, nope, R, D = 3, 8, 16, 32
+    T = 5
+    y = torch.randn(T, H, D, device=DEVICE)
+    poisoned = y.clone()
+    poisoned[..., :nope] = float("nan")
+    poisoned[..., nope + R:] = float("nan")
+    c, s = torch.rand(T, R // 2, device=DEVICE), torch.rand(T, R // 2, device=DEVICE)
+    for inverse in (False, True):
+        (out,) = rope_quant(poisoned.reshape(T, -1), c, s, num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R,
+                            rope_style=style, inverse=inverse, mode="fp32", columnwise=False, scale_mode="rceil")
+        assert torch.isfinite(out.view(T, H, D)[..., nope:nope + R]).all()
+
+
+@pytest.mark.parametrize("zc", [False, True])
+def test_rmsnorm_bwd(zc):
+    T, K = 45, 96
+    x = torch.randn(T, K, device=DEVICE).to(torch.bfloat16)
+    w = torch.randn(K, device=DEVICE)
+    dxn = torch.randn(T, K, device=DEVICE)
+    _, rs = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
+    dx, dg = rmsnorm_bwd(dxn, x, rs, w, zc)
+    rdx, rdg = RQ.rmsnorm_bwd(dxn, x, rs, w, zc)
+    assert_rel_err(dx.float(), rdx.float(), 1e-2, "dx")
+    assert_rel_err(dg, rdg, 1e-5, "dnorm_weight")
+    dx2, dg2 = rmsnorm_bwd(dxn, x, rs, w, zc)
+    assert_bytes_equal(dg2, dg, "dnorm_weight determinism")
+    assert_bytes_equal(dx2, dx, "dx determinism")
+
+
+@pytest.mark.gpu
+def test_gpu_full_size_kernels():
+    T, K, H, nope, R, D = 4096, 1536, 128, 128, 64, 192
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(K, device="cuda") + 0.5
+    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil")
+    xn = x.float() * rs[:, None] * w
+    assert_bytes_equal(a, RM.dequantize_rowwise(*RM.quantize_rowwise(xn), dtype=torch.bfloat16), "A image")
+    y = torch.randn(T, H * D, device="cuda")
+    c, s = torch.randn(T, R // 2, device="cuda"), torch.randn(T, R // 2, device="cuda")
+    cfg = QProjConfig.make(K, H, nope, R, D, columnwise_output=True)
+    rd, rsc, cdd, csc = rope_quant(y, c, s, num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R,
+                                   rope_style="deepseek", inverse=False, mode="mxfp8", columnwise=True,
+                                   scale_mode="rceil")
+    ref = RQ.quantize_output(RR.apply_rope(y.view(T, H, D), c, s, nope, R, "deepseek"), cfg)
+    assert_bytes_equal(rd.view(T, H, D), ref[0], "q rowwise data")
+    assert_bytes_equal(cdd.view(T, H, D), ref[2], "q columnwise data")
