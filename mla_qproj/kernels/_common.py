@@ -9,7 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_NAN = tl.constexpr(float("nan"))
 _INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # becomes fp32(1/448) against an fp32 operand (SPEC §2)
 _TWO_POW_23 = tl.constexpr(8388608.0)
 
@@ -20,7 +19,9 @@ def nan_ignoring_amax(x, axis: tl.constexpr):
     a = tl.abs(x)
     a = tl.where(a == a, a, -1.0)
     m = tl.max(a, axis=axis)
-    return tl.where(m < 0, _NAN, m)
+    # NaN made from bits: a NaN global constexpr would fail Triton's "global changed" check (nan != nan)
+    nan = (m.to(tl.int32, bitcast=True) | 0x7FC00000).to(tl.float32, bitcast=True)
+    return tl.where(m < 0, nan, m)
 
 
 @triton.jit
