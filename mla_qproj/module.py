@@ -141,7 +141,8 @@ class FusedMLAQUpProjection(nn.Module):
                 raise ValueError("pass either (cos, sin) or position_ids, not both")
             if not isinstance(position_ids, torch.Tensor):
                 raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
-            if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+            pdt = position_ids.dtype
+            if pdt.is_floating_point or pdt.is_complex or pdt == torch.bool:
                 raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
             if position_ids.device != x.device:
                 raise ValueError(f"position_ids is on {position_ids.device}, x on {x.device}")

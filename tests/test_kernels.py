@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _tolerances import assert_bytes_equal, assert_rel_err
-from conftest import DEVICE
 from mla_qproj._config import QProjConfig
 from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
@@ -15,6 +13,9 @@ from mla_qproj.kernels.rope_quant import rope_quant
 from mla_qproj.reference import mxfp8 as RM
 from mla_qproj.reference import qproj as RQ
 from mla_qproj.reference import rope as RR
+
+from _tolerances import assert_bytes_equal, assert_rel_err
+from conftest import DEVICE
 
 GEOMS = [  # (H, nope, rope, D)
     (3, 16, 16, 32),

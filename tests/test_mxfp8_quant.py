@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _tolerances import assert_bytes_equal
-from conftest import DEVICE
 from mla_qproj import mxfp8_quantize
 from mla_qproj.reference import mxfp8 as R
+
+from _tolerances import assert_bytes_equal
+from conftest import DEVICE
 
 MODES = ["rceil", "floor"]
 
