@@ -8,6 +8,7 @@ written out below as in HF DeepseekV3 with rope_interleave=True), wraps the two 
 backward with a random upstream gradient, compares output and gradients with the plain PyTorch composition
 (run in fp32 on fp32 copies of the same modules), and feeds q into F.scaled_dot_product_attention.
 
+    pip install -e .   # once, from the repository root (or run with PYTHONPATH=.)
     python examples/quickstart.py          # CUDA if available (Triton kernels, DeepSeek-V3 sizes), else CPU
                                            # (pure-PyTorch path, small sizes, a few seconds)
 Exits with status 1 if a relative error is above its (loose) sanity bound.

@@ -60,7 +60,7 @@ def environment() -> dict:
     props = torch.cuda.get_device_properties(0)
     return {
         "device": torch.cuda.get_device_name(0),
-        "capability": "sm_%d%d" % torch.cuda.get_device_capability(0),
+        "capability": "sm_{}{}".format(*torch.cuda.get_device_capability(0)),
         "memory_gib": round(props.total_memory / 2**30, 1),
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -241,7 +241,7 @@ def format_table(results: list[dict]) -> str:
     head = f"{'T':>6}  {'impl':<30}{'ms':>9}{'TFLOP/s':>9}{'t/cuBLAS':>9}{'speed-up':>9}{'peak MiB':>10}{'+MiB':>9}"
     lines, errs = [head, "-" * len(head)], []
     for r in results:
-        def f(key, fmt):
+        def f(key: str, fmt: str, r: dict = r) -> str:
             return format(r[key], fmt) if key in r else "-"
 
         if "error" in r:
@@ -254,7 +254,7 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines + (["errors:"] + errs if errs else []))
 
 
-def plot(results: list[dict], path: str) -> str | None:
+def plot(results: list[dict], path: str, device: str) -> str | None:
     """Grouped bar chart of TFLOP/s per T; returns the path, or None when matplotlib is missing."""
     try:
         import matplotlib
@@ -266,15 +266,15 @@ def plot(results: list[dict], path: str) -> str | None:
     names = list(dict.fromkeys(r["name"] for r in results))
     Ts = sorted({r["T"] for r in results})
     val = {(r["T"], r["name"]): r.get("tflops", 0.0) for r in results}
-    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(Ts)), 5))
+    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(Ts)), 6))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(Ts))]
         ax.bar(xs, [val.get((t, name), 0.0) for t in Ts], width, label=name)
     ax.set_xticks(range(len(Ts)), [f"T={t}" for t in Ts])
     ax.set_ylabel("TFLOP/s (fwd: 1 GEMM, fwd+bwd: 3 GEMMs)")
-    ax.set_title(f"MLA query up-projection, K={K}, H={H}, D={D} ({torch.cuda.get_device_name(0)})")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"MLA query up-projection, K={K}, H={H}, D={D} ({device})")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     add_ratios(results)
     os.makedirs(args.out, exist_ok=True)
-    png = plot(results, os.path.join(args.out, "bench.png"))
+    png = plot(results, os.path.join(args.out, "bench.png"), env["device"])
     meta = {"K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE, "q_head_dim": D, "N": N,
             "warmup_ms": args.warmup, "rep_ms": args.rep, "compile_mode": args.compile_mode,
             "ours_backward_call": backward_call, "forward_rows_under": "torch.no_grad()",

@@ -1,0 +1,56 @@
+"""Where the time goes: torch.profiler kernel table for ours fwd+bwd (T=16384) and host time per call (T=1024).
+
+    python scripts/profile_layer.py
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mla_qproj import FusedMLAQUpProjection
+
+K, H, NOPE, ROPE = 1536, 128, 128, 64
+
+
+def make(T, **kw):
+    layer = FusedMLAQUpProjection(K, H, NOPE, ROPE, device="cuda", dtype=torch.bfloat16, **kw)
+    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(T, device="cuda")
+    return layer, x, pos
+
+
+def main():
+    for T in (16384,):
+        layer, x, pos = make(T)
+        dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            layer(x, position_ids=pos).backward(dy)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                layer(x, position_ids=pos).backward(dy)
+            torch.cuda.synchronize()
+        print(f"=== T={T} fwd+bwd, 5 iterations")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    layer, x, pos = make(1024)
+    with torch.no_grad():
+        for _ in range(5):
+            layer(x, position_ids=pos)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            layer(x, position_ids=pos)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    print(f"T=1024 forward: host {1e3 * (t1 - t0) / 50:.3f} ms/call, wall {1e3 * (t2 - t0) / 50:.3f} ms/call")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            layer(x, position_ids=pos)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
