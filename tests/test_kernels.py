@@ -137,3 +137,23 @@ def test_gpu_full_size_kernels():
     ref = RQ.quantize_output(RR.apply_rope(y.view(T, H, D), c, s, nope, R, "deepseek"), cfg)
     assert_bytes_equal(rd.view(T, H, D), ref[0], "q rowwise data")
     assert_bytes_equal(cdd.view(T, H, D), ref[2], "q columnwise data")
+
+
+def test_custom_ops_opcheck():
+    """The torch.library registrations (schemas, fake implementations) that torch.compile relies on."""
+    from mla_qproj import ops
+
+    T, H, D, K = 33, 2, 64, 64
+    x = torch.randn(T, K, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(K, device=DEVICE)
+    y = torch.randn(T, H * D, device=DEVICE)
+    c, s = torch.randn(T, 16, device=DEVICE), torch.randn(T, 16, device=DEVICE)
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(ops.mxfp8_quantize_2d_op.op, (y, True, True, "rceil"), test_utils=tests)
+    torch.library.opcheck(ops.rmsnorm_quant_fwd_op.op, (x, w, 1e-6, False, "mxfp8", "rceil"), test_utils=tests)
+    for mode in ("mxfp8", "mxfp8_images", "bf16", "fp32"):
+        args = (y, c, s, H, D, 16, 32, "deepseek", mode == "mxfp8_images", mode, mode != "bf16", "rceil")
+        torch.library.opcheck(ops.rope_quant_op.op, args, test_utils=tests)
+    rs = torch.rand(T, device=DEVICE) + 0.5
+    torch.library.opcheck(ops.rmsnorm_bwd_op.op, (torch.randn(T, K, device=DEVICE), x, rs, w, False),
+                          test_utils=tests)

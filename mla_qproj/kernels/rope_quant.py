@@ -37,18 +37,20 @@ def _rope_quant_kernel(
     p = o_d - NOPE
     is_rope = (p >= 0) & (p < R) & m_d
     src1, src2, sign, pair = rope_sources(tl.where(is_rope, p, 0), HALF, STYLE, INVERSE)
-    col1 = tl.where(is_rope, NOPE + src1, o_d)
-    col2 = tl.where(is_rope, NOPE + src2, o_d)
+    col1 = NOPE + src1
+    col2 = NOPE + src2
     m = m_t[:, None] & m_d[None, :]
     m_r = m_t[:, None] & is_rope[None, :]
     p_y = y_ptr + o_t[:, None] * stride_y + i_h * D
-    # rows/cols outside load as NaN: ignored by every amax, never stored
-    b_v1 = tl.load(p_y + col1[None, :], mask=m, other=float("nan")).to(tl.float32)  # [32, BLOCK_D]
+    # rows/cols outside load as NaN: ignored by every amax, never stored. The whole head row is one
+    # contiguous (vectorized) load; only the rope lanes gather their pair members (cache hits).
+    b_v = tl.load(p_y + o_d[None, :], mask=m, other=float("nan")).to(tl.float32)  # [32, BLOCK_D]
+    b_v1 = tl.load(p_y + col1[None, :], mask=m_r, other=float("nan")).to(tl.float32)
     b_v2 = tl.load(p_y + col2[None, :], mask=m_r, other=0.0).to(tl.float32)
     b_c = tl.load(cos_ptr + o_t[:, None] * HALF + pair[None, :], mask=m_r, other=1.0)
     b_s = tl.load(sin_ptr + o_t[:, None] * HALF + pair[None, :], mask=m_r, other=0.0)
     # (v1*c) + ((±v2)*s): bitwise the reference's a*c - b*s (launched with FMA contraction off)
-    b_o = tl.where(is_rope[None, :], b_v1 * b_c + (sign[None, :] * b_v2) * b_s, b_v1)
+    b_o = tl.where(is_rope[None, :], b_v1 * b_c + (sign[None, :] * b_v2) * b_s, b_v)
     o_out = o_t[:, None] * N + i_h * D + o_d[None, :]
     NB: tl.constexpr = BLOCK_D // 32
     if MODE == "mxfp8" or MODE == "mxfp8_images":
