@@ -77,7 +77,7 @@ def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, use_triton: bool, key
         bwd = dequantize_columnwise(cd, cs, torch.bfloat16)
     fused = None
     gemm = _fused_gemm()
-    if gemm is not None and w.is_cuda and gemm.fused_gemm_supported(cfg):
+    if gemm is not None and gemm.fused_gemm_supported(cfg):
         fused = gemm.prepare_fused_weight(fwd, cfg)
     return PreparedWeight(key, fwd, bwd, fused)
 
@@ -104,9 +104,13 @@ def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig
     xn_saved = (xcd, xcs) if cfg.precision == "mxfp8" else a
     T, H, D = x2d.shape[0], cfg.num_heads, cfg.q_head_dim
     if pw.fused is not None:
-        from .kernels.qproj_gemm import qproj_gemm_fwd
+        from .ops import qproj_gemm_fwd_op
 
-        return qproj_gemm_fwd(a, pw.fused, cos_h, sin_h, cfg), rsigma, xn_saved
+        rd, rs, cd, cs = qproj_gemm_fwd_op(a, pw.fused, cos_h, sin_h, H, cfg.qk_head_dim, cfg.rope_dim, D,
+                                           cfg.rope_style, cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+        if cfg.output_format == "bf16":
+            return (rd,), rsigma, xn_saved
+        return (rd, rs, *((cd, cs) if cfg.columnwise_output else (None, None))), rsigma, xn_saved
     y = _mm_fp32(a, pw.fwd.t())
     rd, rs, cd, cs = rope_quant_op(y, cos_h, sin_h, H, D, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, False,
                                    cfg.output_format, cfg.columnwise_output, cfg.scale_mode)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import backend as _backend
 from ._config import BACKENDS, QProjConfig, validate_choice
@@ -13,6 +15,23 @@ from .function import _FusedMLAQUpProjFunction
 from .reference.rope import half_table, normalize_rope_scaling, rope_inv_freq
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Fused optimizers (torch.optim.AdamW(fused=True), SGD(fused=True)) update parameters in place without bumping
+# `_version`, so the weight cache also listens to every optimizer step: layers whose weight the optimizer owns
+# move to a new cache epoch.
+_LIVE_LAYERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _on_optimizer_step(optimizer, args, kwargs) -> None:
+    if not _LIVE_LAYERS:
+        return
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for layer in list(_LIVE_LAYERS):
+        if id(layer.weight) in owned:
+            layer._weight_epoch += 1
+
+
+register_optimizer_step_post_hook(_on_optimizer_step)
 
 
 class FusedMLAQUpProjection(nn.Module):
@@ -60,6 +79,8 @@ class FusedMLAQUpProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.cfg.out_features, q_lora_rank, **factory_kwargs))
         self.norm_weight = nn.Parameter(torch.empty(q_lora_rank, **factory_kwargs))
         self._wcache: _backend.PreparedWeight | None = None
+        self._weight_epoch = 0
+        _LIVE_LAYERS.add(self)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -123,11 +144,16 @@ class FusedMLAQUpProjection(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward
 
+    def refresh_weight_cache(self) -> None:
+        """Drop the cached quantized weight; needed only after writing the weight through `weight.data` or a
+        kernel outside torch (in-place torch ops and torch.optim steps are detected)."""
+        self._wcache = None
+
     def _prepared_weight(self, use_triton: bool) -> _backend.PreparedWeight:
         w = self.weight
-        # _version moves with every in-place update (optimizer steps included); the storage pointer with
-        # re-assignment of .data or a new Parameter
-        key = (w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape), use_triton)
+        # _version moves with in-place torch ops; _weight_epoch with torch.optim steps (fused ones included);
+        # the storage pointer with re-assignment of .data or a new Parameter
+        key = (w._version, self._weight_epoch, w.data_ptr(), w.dtype, w.device, tuple(w.shape), use_triton)
         if self._wcache is None or self._wcache.key != key:
             self._wcache = _backend.prepare_weight(w, self.cfg, use_triton, key)
         return self._wcache

@@ -4,8 +4,11 @@ shapes depend on input shapes only. Absent outputs are empty tensors (custom ops
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ._config import QProjConfig
 from ._constants import MX_BLOCK
 from .kernels.mxfp8_quant import mxfp8_quant_2d
 from .kernels.rmsnorm_bwd import rmsnorm_bwd
@@ -115,3 +118,43 @@ rmsnorm_bwd_op = _eager_fast(_rmsnorm_bwd_def, _rmsnorm_bwd_impl)
 @_rmsnorm_bwd_def.register_fake
 def _(dxn, x2d, rsigma, norm_weight, zero_centered_gamma):
     return torch.empty_like(x2d), torch.empty_like(norm_weight)
+
+
+@functools.lru_cache(maxsize=64)
+def _gemm_cfg(K, H, nope, R, D, style, output_format, columnwise, scale_mode) -> QProjConfig:
+    return QProjConfig.make(K, H, nope, R, D, rope_style=style, output_format=output_format,
+                            columnwise_output=columnwise, scale_mode=scale_mode)
+
+
+def _qproj_gemm_fwd_impl(a: Tensor, w_prepared: Tensor, cos_h: Tensor, sin_h: Tensor, num_heads: int,
+                         qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str, output_format: str,
+                         columnwise: bool, scale_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Always four outputs (q data or bf16 q, row scale, col data, col scale); absent ones are empty."""
+    from .kernels.qproj_gemm import qproj_gemm_fwd
+
+    cfg = _gemm_cfg(a.shape[1], num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
+                    scale_mode)
+    outs = qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, cfg)
+    empty = a.new_empty((0,), dtype=torch.uint8)
+    if output_format == "bf16":
+        return outs[0], empty, empty.clone(), empty.clone()
+    rd, rs, cd, cs = outs
+    return rd, rs, cd if cd is not None else empty.clone(), cs if cs is not None else empty.clone()
+
+
+_qproj_gemm_fwd_def = torch.library.custom_op("mla_qproj::qproj_gemm_fwd", _qproj_gemm_fwd_impl, mutates_args=())
+qproj_gemm_fwd_op = _eager_fast(_qproj_gemm_fwd_def, _qproj_gemm_fwd_impl)
+
+
+@_qproj_gemm_fwd_def.register_fake
+def _(a, w_prepared, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
+      scale_mode):
+    T = a.shape[0]
+    H, D = num_heads, head_dim
+    e = a.new_empty
+    u8 = torch.uint8
+    if output_format == "bf16":
+        return e((T, H, D), dtype=torch.bfloat16), e((0,), dtype=u8), e((0,), dtype=u8), e((0,), dtype=u8)
+    return (e((T, H, D), dtype=_F8), e((T, H, D // MX_BLOCK), dtype=u8),
+            e((T, H, D) if columnwise else (0,), dtype=_F8),
+            e((_cdiv(T, MX_BLOCK), H, D) if columnwise else (0,), dtype=u8))

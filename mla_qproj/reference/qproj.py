@@ -79,7 +79,8 @@ def grad_operands(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple[tor
     (dgrad operand: rowwise along N, wgrad operand: columnwise along T), both [T, N] fp32."""
     T = dq.shape[0]
     dq = dq.reshape(T, cfg.num_heads, cfg.q_head_dim)
-    g = apply_rope_inverse(dq.float(), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style).reshape(T, cfg.out_features)
+    g = apply_rope_inverse(dq.float(), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style)
+    g = g.reshape(T, cfg.out_features)
     if cfg.precision == "bf16":
         gb = g.to(torch.bfloat16).float()
         return gb, gb
