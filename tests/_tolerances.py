@@ -1,7 +1,10 @@
 """One tolerance policy (see README "Numerics"):
 - quantizer outputs: bytes exact (rtol = atol = 0) between reference, interpreter and GPU;
-- same quantization, different fp32 summation order (GEMM outputs): >= 99.9 % identical output codes, the
-  rest one E4M3 step apart at most (|diff| <= 2^-3 relative, the E4M3 epsilon);
+- same quantization, different fp32 summation order (GEMM outputs): >= 99.9 % identical output codes and scale
+  bytes; the dense results of such paths (MXFP8 decodes, bf16 output, gradients) relative error <= 1e-2. (A
+  different fp32 order in the RMSNorm can flip an input code or scale of xn, which moves a whole token row
+  by ~1e-3 of its magnitude: small elements then differ by more than one E4M3 step, so no per-element bound);
+  bf16-only paths emulated with the same roundings: <= 2^-8 (bf16 epsilon; rare one-ulp flips of an operand);
 - quantized vs unquantized math (fp64 oracle): relative error ||a - b|| / ||b||, bounds per precision:
   bf16 GEMM inputs 3e-2, MXFP8 0.15 (E4M3 epsilon 2^-3, errors of ~8 % rms per operand add in quadrature).
 """
@@ -13,6 +16,8 @@ import torch
 REL_ERR_BF16 = 3e-2
 REL_ERR_MXFP8 = 0.15
 MIN_CODE_MATCH = 0.999
+REL_ERR_SAME_QUANT = 1e-2
+REL_ERR_BF16_ROUNDING = 2.0**-8
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -44,3 +49,17 @@ def code_match_fraction(a: torch.Tensor, b: torch.Tensor) -> float:
     ab = a.detach().cpu().contiguous().view(torch.uint8)
     bb = b.detach().cpu().contiguous().view(torch.uint8)
     return (ab == bb).float().mean().item() if ab.numel() else 1.0
+
+
+def rel_err_bound(precision: str, output_format: str = "bf16") -> float:
+    """Quantized vs fp64 oracle: the bf16 bound only when nothing on the path is MXFP8."""
+    return REL_ERR_BF16 if precision == "bf16" and output_format == "bf16" else REL_ERR_MXFP8
+
+
+def assert_mxfp8_close(data_a, scale_a, dense_a, data_b, scale_b, dense_b, label: str) -> None:
+    """Same quantization, different fp32 summation order: >= MIN_CODE_MATCH identical codes and scale bytes,
+    and the dense decodes within REL_ERR_SAME_QUANT."""
+    codes, scales = code_match_fraction(data_a, data_b), code_match_fraction(scale_a, scale_b)
+    assert codes >= MIN_CODE_MATCH, f"{label}: only {codes:.5f} of the codes identical"
+    assert scales >= MIN_CODE_MATCH, f"{label}: only {scales:.5f} of the scale bytes identical"
+    assert_rel_err(dense_a.float(), dense_b.float(), REL_ERR_SAME_QUANT, f"{label} decoded")

@@ -34,6 +34,7 @@ def _special_values(device) -> torch.Tensor:
     rows.append(base * 2.0**-8)  # E4M3 subnormals after scaling
     r = base.clone()
     r[3] = float("nan")
+    r[4] = -float("nan")  # sign kept: 0xFF
     rows.append(r)  # NaN element: ignored by the amax, encoded as NaN
     rows.append(torch.full((32,), float("nan")))  # NaN block
     r = base.clone()

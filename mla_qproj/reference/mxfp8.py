@@ -97,14 +97,23 @@ def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x, y)
 
 
+def to_e4m3(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Cast on-grid fp32 values to float8_e4m3fn; NaN becomes 0x7F with x's sign (SPEC §2) on every device
+    (torch's CUDA cast drops the sign of NaN, its CPU cast keeps it)."""
+    code = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    sign = (_fp32_bits(x.float()) >> 24) & 0x80
+    nan_code = (0x7F | sign).to(torch.uint8)
+    return torch.where(torch.isnan(y), nan_code, code).view(torch.float8_e4m3fn)
+
+
 def quantize_blocks_lastdim(x: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise MXFP8: 32-blocks along the last dim (a multiple of 32). Returns (fp8 data, uint8 scale)."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"last dimension must be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
     byte = e8m0_from_amax(nan_ignoring_amax(xb, dim=-1), scale_mode)
-    q = round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(-1))
-    return q.to(torch.float8_e4m3fn).reshape(x.shape), byte
+    q = to_e4m3(round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(-1)), xb)
+    return q.reshape(x.shape), byte
 
 
 def quantize_rowwise(x: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,8 +131,8 @@ def quantize_columnwise(x2d: torch.Tensor, scale_mode: str = "rceil") -> tuple[t
     xp = torch.cat([xf, xf.new_full((pad, N), float("nan"))]) if pad else xf
     xb = xp.reshape(nb, MX_BLOCK, N)
     byte = e8m0_from_amax(nan_ignoring_amax(xb, dim=1), scale_mode)  # [nb, N]
-    q = round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(1)).reshape(nb * MX_BLOCK, N)[:T]
-    return q.to(torch.float8_e4m3fn), byte
+    q = to_e4m3(round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(1)), xb)
+    return q.reshape(nb * MX_BLOCK, N)[:T], byte
 
 
 def dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
