@@ -18,14 +18,9 @@ def _rmsnorm_quant_fwd_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, a_ptr, col_data_ptr, col_scale_ptr,
     T, eps, K: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, PRECISION: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-    NSPLIT: tl.constexpr,
 ):
-    """rsigma = 1/sqrt(mean(x^2) + eps); xn = x * rsigma * g (fp32); A = dequant(quant_row(xn)) as bf16.
-
-    Program (i_t, i_k): 32 tokens; the sum of squares over all of K (re-read from L2 by the NSPLIT programs of
-    a row block), then every NSPLIT-th group of 32 columns: one [32, 32] tile is one MX block in each direction.
-    """
-    i_t, i_k = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    """rsigma = 1/sqrt(mean(x^2) + eps); xn = x * rsigma * g (fp32); A = dequant(quant_row(xn)) as bf16."""
+    i_t = tl.program_id(0).to(tl.int64)
     o_t = i_t * 32 + tl.arange(0, 32)
     m_t = o_t < T
     b_ss = tl.zeros([32, BLOCK_K], dtype=tl.float32)
@@ -36,26 +31,25 @@ def _rmsnorm_quant_fwd_kernel(
         b_ss += b_x * b_x
     # correctly rounded sqrt and division (tl.rsqrt is approximate on the GPU)
     b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))  # [32]
-    if i_k == 0:
-        tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)
-    NG: tl.constexpr = K // 32
-    for c in range(0, (NG + NSPLIT - 1) // NSPLIT):
-        g = c * NSPLIT + i_k
-        o_k = g * 32 + tl.arange(0, 32)
-        m_k = (o_k < K) & (g < NG)
+    tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)
+    NB: tl.constexpr = BLOCK_K // 32
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
         m = m_t[:, None] & m_k[None, :]
         # rows past T load as NaN so the columnwise amax ignores them (partial last block)
         b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=float("nan")).to(tl.float32)
         b_g = tl.load(w_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             b_g = b_g + 1.0
-        b_xn = b_x * b_rsigma[:, None] * b_g[None, :]  # [32, 32], same op order as the reference
+        b_xn = b_x * b_rsigma[:, None] * b_g[None, :]  # [32, BLOCK_K], same op order as the reference
         p_a = a_ptr + o_t[:, None] * K + o_k[None, :]
         if PRECISION == "mxfp8":
-            b_byte = e8m0_from_amax(nan_ignoring_amax(b_xn, 1), SCALE_MODE)  # [32]
-            b_q = quantize_to_e4m3(b_xn, b_byte[:, None]).to(tl.float32) * e8m0_to_fp32(b_byte)[:, None]
-            tl.store(p_a, b_q.to(tl.bfloat16), mask=m)  # exact image
-            b_cbyte = e8m0_from_amax(nan_ignoring_amax(b_xn, 0), SCALE_MODE)  # [32]
+            b_xr = tl.reshape(b_xn, (32, NB, 32))
+            b_byte = e8m0_from_amax(nan_ignoring_amax(b_xr, 2), SCALE_MODE)  # [32, NB]
+            b_q = quantize_to_e4m3(b_xr, b_byte[:, :, None]).to(tl.float32) * e8m0_to_fp32(b_byte)[:, :, None]
+            tl.store(p_a, tl.reshape(b_q, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
+            b_cbyte = e8m0_from_amax(nan_ignoring_amax(b_xn, 0), SCALE_MODE)  # [BLOCK_K]
             tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], quantize_to_e4m3(b_xn, b_cbyte[None, :]), mask=m)
             tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
         else:
@@ -76,13 +70,10 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     cs = torch.empty((triton.cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8, device=dev)
     if T == 0:
         return rsigma, a, cd, cs
-    n_t = triton.cdiv(T, 32)
-    # enough programs to fill the GPU at small T (each re-reads its rows' sum of squares from L2)
-    nsplit = min(K // 32, triton.next_power_of_2(triton.cdiv(8 * 132, n_t)), 16)
-    _rmsnorm_quant_fwd_kernel[(n_t, nsplit)](
+    _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32),)](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd, col_scale_ptr=cs, T=T, K=K, eps=eps,
         ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode,
-        BLOCK_K=128 if K >= 128 else 64 if K >= 64 else 32, NSPLIT=nsplit, num_warps=4,
+        BLOCK_K=128 if K >= 128 else 64 if K >= 64 else 32, num_warps=8,
     )
     return rsigma, a, cd, cs
