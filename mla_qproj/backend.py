@@ -58,7 +58,7 @@ class PreparedWeight:
     for the fused kernel) and the dgrad operand (columnwise along N)."""
 
     key: tuple
-    fwd: torch.Tensor  # [N, K] bf16 image
+    fwd: torch.Tensor | None  # [N, K] bf16 image; None when the fused kernel's `fused` replaces it
     bwd: torch.Tensor  # [N, K] bf16 image
     fused: torch.Tensor | None = None  # rearranged forward operand for the fused GEMM kernel
 
@@ -79,6 +79,7 @@ def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, use_triton: bool, key
     gemm = _fused_gemm()
     if gemm is not None and gemm.fused_gemm_supported(cfg):
         fused = gemm.prepare_fused_weight(fwd, cfg)
+        fwd = None  # only the rearranged copy is read: don't keep both (N*K*2 bytes)
     return PreparedWeight(key, fwd, bwd, fused)
 
 
