@@ -151,6 +151,10 @@ class FusedMLAQUpProjection(nn.Module):
 
     def _prepared_weight(self, use_triton: bool) -> _backend.PreparedWeight:
         w = self.weight
+        if torch.compiler.is_compiling():
+            # under torch.compile the weight's quantization is part of the graph, every call: a Python-side
+            # cache would be baked into the graph (stale after an update) or break it
+            return _backend.prepare_weight(w, self.cfg, use_triton, key=())
         # _version moves with in-place torch ops; _weight_epoch with torch.optim steps (fused ones included);
         # the storage pointer with re-assignment of .data or a new Parameter
         key = (w._version, self._weight_epoch, w.data_ptr(), w.dtype, w.device, tuple(w.shape), use_triton)
