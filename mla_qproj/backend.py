@@ -157,6 +157,7 @@ def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h
     dy_row, dy_col = _grad_operands_triton(dq2d, cos_h, sin_h, cfg)
     xn_img = dequantize_columnwise(*xn_saved, torch.bfloat16) if cfg.precision == "mxfp8" else xn_saved
     dxn = _mm_fp32(dy_row, pw.bwd)
+    del dy_row  # [T, N]: free it before the wgrad output is allocated (lower peak memory)
     if main_grad is not None:
         _mm_accumulate(main_grad, dy_col.t(), xn_img)
         dw = None
