@@ -77,7 +77,9 @@ def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, use_triton: bool, key
         bwd = dequantize_columnwise(cd, cs, torch.bfloat16)
     fused = None
     gemm = _fused_gemm()
-    if gemm is not None and gemm.fused_gemm_supported(cfg):
+    # the fused kernel is built for sm_90 (TMA descriptors, wgmma-sized tiles); older GPUs take the general path
+    hopper = (w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] >= 9) or w.device.type == "cpu"
+    if gemm is not None and hopper and gemm.fused_gemm_supported(cfg):
         fused = gemm.prepare_fused_weight(fwd, cfg)
         fwd = None  # only the rearranged copy is read: don't keep both (N*K*2 bytes)
     return PreparedWeight(key, fwd, bwd, fused)
