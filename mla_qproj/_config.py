@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,11 @@ ROPE_STYLES = ("deepseek", "neox", "gptj")
 PRECISIONS = ("mxfp8", "bf16")
 OUTPUT_FORMATS = ("mxfp8", "bf16")
 BACKENDS = ("auto", "triton", "torch")
+
+
+def interpreter_enabled() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run in its interpreter (CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def validate_choice(name: str, value: object, choices: tuple[str, ...]) -> str:

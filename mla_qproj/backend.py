@@ -10,18 +10,13 @@ MXFP8 product up to the fp32 summation order:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from ._config import QProjConfig
+from ._config import QProjConfig, interpreter_enabled
 from .reference import qproj as ref
 from .reference.mxfp8 import dequantize_columnwise, dequantize_rowwise
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def resolve_backend(backend: str, device: torch.device) -> bool:
@@ -109,18 +104,22 @@ def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig
     if pw.fused is not None:
         from .ops import qproj_gemm_fwd_op
 
-        rd, rs, cd, cs = qproj_gemm_fwd_op(a, pw.fused, cos_h, sin_h, H, cfg.qk_head_dim, cfg.rope_dim, D,
-                                           cfg.rope_style, cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
-        if cfg.output_format == "bf16":
-            return (rd,), rsigma, xn_saved
-        return (rd, rs, *((cd, cs) if cfg.columnwise_output else (None, None))), rsigma, xn_saved
-    y = _mm_fp32(a, pw.fwd.t())
-    rd, rs, cd, cs = rope_quant_op(y, cos_h, sin_h, H, D, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, False,
-                                   cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+        outs = qproj_gemm_fwd_op(a, pw.fused, cos_h, sin_h, H, cfg.qk_head_dim, cfg.rope_dim, D, cfg.rope_style,
+                                 cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+    else:
+        y = _mm_fp32(a, pw.fwd.t())
+        outs = rope_quant_op(y, cos_h, sin_h, H, D, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, False,
+                             cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+    return _query_outputs(*outs, T, cfg), rsigma, xn_saved
+
+
+def _query_outputs(rd, rs, cd, cs, T: int, cfg: QProjConfig) -> tuple:
+    """The ops' four outputs (absent ones empty) in `reference.qproj.quantize_output`'s form and shapes."""
+    H, D = cfg.num_heads, cfg.q_head_dim
     if cfg.output_format == "bf16":
-        return (rd.view(T, H, D),), rsigma, xn_saved
+        return (rd.view(T, H, D),)
     cols = (cd.view(T, H, D), cs.view(-1, H, D)) if cfg.columnwise_output else (None, None)
-    return (rd.view(T, H, D), rs.view(T, H, D // 32), *cols), rsigma, xn_saved
+    return (rd.view(T, H, D), rs.view(T, H, D // 32), *cols)
 
 
 # ----------------------------------------------------------------------------------------------- backward

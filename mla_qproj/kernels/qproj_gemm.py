@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._config import QProjConfig
-from ._common import e8m0_from_amax, nan_ignoring_amax, quant_multiplier, quantize_to_e4m3
+from .._config import QProjConfig, interpreter_enabled
+from ._common import e8m0_from_amax, nan_ignoring_amax, quant_multiplier, quantize_to_e4m3, round_to_bf16
 
 BLOCK_N = 256  # rows of W' per tile (two halves); fixed because `prepare_fused_weight` lays W' out per tile
 HALF_N = BLOCK_N // 2
@@ -210,10 +209,10 @@ def _to_bf16(b_x, EMULATED: tl.constexpr):
     """fp32 -> bf16, round-to-nearest-even. EMULATED: round the fp32 bits first (the interpreter's cast
     truncates); the GPU's cvt.rn.bf16.f32 gives the same bytes."""
     if EMULATED:
-        bits = b_x.to(tl.int32, bitcast=True)
-        r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # RNE onto the bf16 grid (overflow -> inf, as RNE)
-        b_x = tl.where(b_x == b_x, r.to(tl.float32, bitcast=True), b_x)  # NaN stays NaN
-    return b_x.to(tl.bfloat16)
+        b_y = round_to_bf16(b_x)
+    else:
+        b_y = b_x.to(tl.bfloat16)
+    return b_y
 
 
 @triton.jit
@@ -397,10 +396,6 @@ def _qproj_gemm_fwd_kernel(
 # --------------------------------------------------------------------------------------------- launcher
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -477,7 +472,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     if T == 0:
         return outs
 
-    interp = _interpreting()
+    interp = interpreter_enabled()
     conf = _pick_config(T, dev)
     RH = R // 2
     # Defaults measured on an H200 (2026-11-29, T = 16384, MXFP8 rowwise out; scripts/gemm_probe.py):

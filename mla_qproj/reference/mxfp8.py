@@ -106,7 +106,7 @@ def to_e4m3(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), nan_code, code).view(torch.float8_e4m3fn)
 
 
-def quantize_blocks_lastdim(x: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(x: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise MXFP8: 32-blocks along the last dim (a multiple of 32). Returns (fp8 data, uint8 scale)."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"last dimension must be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
@@ -114,10 +114,6 @@ def quantize_blocks_lastdim(x: torch.Tensor, scale_mode: str) -> tuple[torch.Ten
     byte = e8m0_from_amax(nan_ignoring_amax(xb, dim=-1), scale_mode)
     q = to_e4m3(round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(-1)), xb)
     return q.reshape(x.shape), byte
-
-
-def quantize_rowwise(x: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_blocks_lastdim(x, scale_mode)
 
 
 def quantize_columnwise(x2d: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
