@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call per session (device tool, H200): memory-bound kernels vs copy, the layer profile, the benchmark,
+# then the whole test suite compiled on the GPU. Logs and bench.json/png go to $OUT; short tables print last.
+#   STEPS="kernels profile bench tests" TOKENS=1024,4096,16384,65536 bash scripts/session.sh
+set -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/session_out}; mkdir -p "$OUT"
+STEPS=${STEPS:-"kernels profile bench tests"}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for s in $STEPS; do
+  t0=$(date +%s)
+  case $s in
+    kernels) timeout ${KERNELS_TIMEOUT:-90} python3 -m mla_qproj.bench_kernels --tokens 4096,16384 > "$OUT/kernels.txt" 2>&1 ;;
+    profile) timeout ${PROFILE_TIMEOUT:-120} python3 scripts/profile_layer.py > "$OUT/profile.txt" 2>&1 ;;
+    bench) timeout ${BENCH_TIMEOUT:-240} python3 -m mla_qproj.bench --tokens ${TOKENS:-1024,4096,16384,65536} \
+             --rep ${REP:-50} --out "$OUT" > "$OUT/bench.log" 2>&1 ;;
+    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE -x --durations=8 ${TESTS:-tests/} \
+             > "$OUT/pytest.log" 2>&1 ;;
+  esac
+  echo "step $s: rc $? in $(( $(date +%s) - t0 )) s"
+done
+for s in $STEPS; do
+  case $s in
+    kernels) echo "=== kernels"; cat "$OUT/kernels.txt" | tail -12 ;;
+    profile) echo "=== profile"; grep -v "^-" "$OUT/profile.txt" | head -34 ;;
+    bench) echo "=== bench"; tail -45 "$OUT/bench.log" ;;
+    tests) echo "=== tests"; tail -22 "$OUT/pytest.log" ;;
+  esac
+done
