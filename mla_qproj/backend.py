@@ -125,11 +125,12 @@ def _query_outputs(rd, rs, cd, cs, T: int, cfg: QProjConfig) -> tuple:
 # ----------------------------------------------------------------------------------------------- backward
 
 
-def _grad_operands_triton(dq2d, cos_h, sin_h, cfg: QProjConfig):
-    """Inverse RoPE + the dgrad (rowwise along N) and wgrad (columnwise along T) operands as bf16 images."""
+def _grad_operands_triton(dq2d, cos_h, sin_h, cfg: QProjConfig, num_heads: int):
+    """Inverse RoPE + the dgrad (rowwise along N) and wgrad (columnwise along T) operands as bf16 images, for
+    dq2d [T, num_heads * D] (a run of whole heads; any row stride)."""
     from .ops import mxfp8_quantize_2d_op, rope_quant_op
 
-    args = (cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, True)
+    args = (cos_h, sin_h, num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, True)
     if cfg.precision == "bf16":
         g = rope_quant_op(dq2d, *args, "bf16", False, cfg.scale_mode)[0]
         return g, g
@@ -144,25 +145,65 @@ def _grad_operands_triton(dq2d, cos_h, sin_h, cfg: QProjConfig):
     return row, dequantize_columnwise(cd, cs, torch.bfloat16)
 
 
+# T * N at or above which the backward walks the heads in groups (2, then 4 past 4x this): the [T, N] gradient
+# images of one group at a time, so the peak holds a fraction of them (T = 16384 at DeepSeek-V3: 2 groups).
+GROUP_ELEMENTS = 1 << 28
+
+
+def head_groups(T: int, cfg: QProjConfig) -> int:
+    """How many head groups the Triton backward uses (1 when the rowwise N-blocks could cross a group edge)."""
+    n = T * cfg.out_features
+    groups = 4 if n >= 4 * GROUP_ELEMENTS else 2 if n >= GROUP_ELEMENTS else 1
+    while groups > 1 and (cfg.num_heads % groups or (cfg.precision == "mxfp8" and cfg.q_head_dim % 32)):
+        groups //= 2
+    return groups
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out (fp32, contiguous) = a @ b with fp32 accumulation, written in place."""
+    if a.is_cuda:
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    out.copy_(_mm_fp32(a, b))
+
+
 def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig,
              use_triton: bool, main_grad: torch.Tensor | None = None):
-    """Returns (dx, dnorm_weight, dW fp32 or None when accumulated into main_grad)."""
+    """Returns (dx, dnorm_weight, dW fp32 or None when accumulated into main_grad).
+
+    Triton path, per head group g (columns C_g of N): dy_row, dy_col = inverse RoPE + quantize(dq[:, C_g]);
+    dxn += dy_row @ W_bwd[C_g] (fp32); dW[C_g] = dy_col^T @ xn (or main_grad[C_g] += ...). With one group this is
+    the plain two-GEMM backward; more groups change only the fp32 summation order of dxn."""
     if not use_triton:
         dx, dg, dw = ref.qproj_bwd(dq2d, x2d, rsigma, xn_saved, norm_weight, pw.bwd, cos_h, sin_h, cfg)
         if main_grad is not None:
             main_grad.add_(dw)
             dw = None
         return dx, dg, dw
-    from .ops import rmsnorm_bwd_op
+    from .ops import dequantize_columnwise_bf16_op, rmsnorm_bwd_op
 
-    dy_row, dy_col = _grad_operands_triton(dq2d, cos_h, sin_h, cfg)
-    xn_img = dequantize_columnwise(*xn_saved, torch.bfloat16) if cfg.precision == "mxfp8" else xn_saved
-    dxn = _mm_fp32(dy_row, pw.bwd)
-    del dy_row  # [T, N]: free it before the wgrad output is allocated (lower peak memory)
-    if main_grad is not None:
-        _mm_accumulate(main_grad, dy_col.t(), xn_img)
-        dw = None
-    else:
-        dw = _mm_fp32(dy_col.t(), xn_img)
+    T, N = dq2d.shape
+    groups = head_groups(T, cfg)
+    ng = N // groups
+    xn_img = dequantize_columnwise_bf16_op(*xn_saved) if cfg.precision == "mxfp8" else xn_saved
+    dw = None if main_grad is not None else torch.empty(N, cfg.q_lora_rank, dtype=torch.float32,
+                                                          device=dq2d.device)
+    dxn = None
+    for g in range(groups):
+        cols = slice(g * ng, (g + 1) * ng)
+        dy_row, dy_col = _grad_operands_triton(dq2d[:, cols], cos_h, sin_h, cfg, cfg.num_heads // groups)
+        if dxn is None:
+            dxn = _mm_fp32(dy_row, pw.bwd[cols])
+        else:
+            _mm_accumulate(dxn, dy_row, pw.bwd[cols])
+        del dy_row  # [T, N / groups]: free it before the wgrad (lower peak memory)
+        if main_grad is not None:
+            _mm_accumulate(main_grad[cols], dy_col.t(), xn_img)
+        else:
+            _mm_into(dw[cols], dy_col.t(), xn_img)
+        del dy_col
     dx, dg = rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, cfg.zero_centered_gamma)
     return dx, dg, dw

@@ -10,7 +10,7 @@ import torch
 
 from ._config import QProjConfig
 from ._constants import MX_BLOCK
-from .kernels.mxfp8_quant import mxfp8_quant_2d
+from .kernels.mxfp8_quant import dequantize_columnwise_bf16, mxfp8_quant_2d
 from .kernels.rmsnorm_bwd import rmsnorm_bwd
 from .kernels.rmsnorm_quant import rmsnorm_quant_fwd
 from .kernels.rope_quant import rope_quant
@@ -53,6 +53,20 @@ def _(x2d, rowwise, columnwise, scale_mode):
     return (e((T, N) if rowwise else (0,), dtype=_F8), e((T, N // MX_BLOCK) if rowwise else (0,), dtype=torch.uint8),
             e((T, N) if columnwise else (0,), dtype=_F8),
             e((_cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=torch.uint8))
+
+
+def _dequantize_columnwise_bf16_impl(data: Tensor, scale: Tensor) -> Tensor:
+    return dequantize_columnwise_bf16(data, scale)
+
+
+_dequant_col_def = torch.library.custom_op(
+    "mla_qproj::dequantize_columnwise_bf16", _dequantize_columnwise_bf16_impl, mutates_args=())
+dequantize_columnwise_bf16_op = _eager_fast(_dequant_col_def, _dequantize_columnwise_bf16_impl)
+
+
+@_dequant_col_def.register_fake
+def _(data, scale):
+    return data.new_empty(data.shape, dtype=torch.bfloat16)
 
 
 def _rmsnorm_quant_fwd_impl(x2d: Tensor, norm_weight: Tensor, eps: float, zero_centered_gamma: bool, precision: str,

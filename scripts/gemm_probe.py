@@ -106,7 +106,7 @@ def main():
     global _log
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all"],
+    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma"],
                     help="launch-knob variants at the largest T (short: GEMM-only ceiling and num_stages=4)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
@@ -148,6 +148,10 @@ def main():
         flops = 2.0 * T * H * D * K
         variants = [("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", dict(num_stages=4)),
                     ("bf16", dict(num_stages=4))]
+        if args.variants == "tma":  # epilogue stores through tensor descriptors (TMA, asynchronous)
+            variants = [("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", dict(TMA_STORE=True)),
+                        ("mxfp8 row", dict(TMA_STORE=True, num_stages=4)), ("mxfp8 row+col", dict(TMA_STORE=True)),
+                        ("bf16", dict(TMA_STORE=True, FLATTEN=False)), ("mxfp8 row", dict(TMA_STORE=True, GROUP_M=16))]
         if args.variants == "all":
             variants += [("mxfp8 row", dict(FLATTEN=False)), ("mxfp8 row", dict(TWO_DOTS=True)),
                          ("mxfp8 row", dict(BLOCK_K=128, num_stages=2)), ("mxfp8 row", dict(GROUP_M=4)),

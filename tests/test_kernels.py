@@ -21,7 +21,8 @@ GEOMS = [  # (H, nope, rope, D)
     (3, 16, 16, 32),
     (2, 0, 32, 32),  # no pass-through
     (2, 24, 40, 96),  # trailing pass-through, rope not a multiple of 32
-    (1, 128, 64, 192),  # DeepSeek head
+    (1, 128, 64, 192),  # DeepSeek head (contiguous-tile RoPE kernel)
+    (2, 32, 64, 128),  # contiguous-tile kernel with a trailing pass-through block
 ]
 
 
@@ -88,10 +89,45 @@ def test_rope_quant_inverse_and_images(style, geom):
     assert_bytes_equal(col, rcol.to(torch.bfloat16), "wgrad operand")
 
 
+def _same_bytes_or_both_nan(a: torch.Tensor, b: torch.Tensor, label: str) -> None:
+    """Bytes equal, except that a NaN may differ in payload/sign from a NaN (bf16 images and bf16/fp32 outputs:
+    only MXFP8 codes carry a NaN sign contract, SPEC §2)."""
+    if a.dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(a.isnan(), b.isnan()), f"{label}: NaN positions differ"
+        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    assert_bytes_equal(a, b, label)
+
+
 @pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])
-def test_rope_kernel_stays_inside_heads(style):
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("scale_mode", ["rceil", "floor"])
+def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
+    """The contiguous-tile kernel against the gather kernel (both checked against the reference above) on special
+    values: NaN of both signs, inf, zero rows/blocks, magnitudes around the E4M3 and E8M0 edges, a partial T."""
+    H, nope, R, D = 2, 32, 128, 192  # two rope chunks, a trailing pass-through block
+    T = 45
+    g = torch.Generator().manual_seed(7)
+    y = torch.randn(T, H * D, generator=g) * torch.exp2(torch.randint(-20, 20, (T, H * D), generator=g).float())
+    y[3, 5], y[4, nope + 3], y[6, D + nope + 64] = float("nan"), -float("nan"), float("inf")
+    y[7] = 0.0
+    y[8, :32] = 448.0 * 2.0 ** 3
+    y[9, nope:nope + 64] = 1e-40
+    y = y.to(DEVICE)
+    c, s = torch.randn(T, R // 2, generator=g).to(DEVICE), torch.randn(T, R // 2, generator=g).to(DEVICE)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=inverse,
+              scale_mode=scale_mode)
+    for mode, col in (("mxfp8", True), ("mxfp8_images", True), ("bf16", False), ("fp32", False)):
+        fast = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, **kw)
+        slow = rope_quant(y, c, s, mode=mode, columnwise=col, fast=False, **kw)
+        for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
+            _same_bytes_or_both_nan(a, b, f"{mode} output {i}")
+
+
+@pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])
+@pytest.mark.parametrize("geom", [(3, 8, 16, 32), (3, 32, 64, 128)], ids=["gather", "contiguous"])
+def test_rope_kernel_stays_inside_heads(style, geom):
     """Poison every column outside [nope, nope + R) of each head with NaN: rope columns must stay finite."""
-    H, nope, R, D = 3, 8, 16, 32
+    H, nope, R, D = geom
     T = 5
     y = torch.randn(T, H, D, device=DEVICE)
     poisoned = y.clone()
@@ -154,6 +190,22 @@ def test_custom_ops_opcheck():
     for mode in ("mxfp8", "mxfp8_images", "bf16", "fp32"):
         args = (y, c, s, H, D, 16, 32, "deepseek", mode == "mxfp8_images", mode, mode != "bf16", "rceil")
         torch.library.opcheck(ops.rope_quant_op.op, args, test_utils=tests)
+    cd, cs = RM.quantize_columnwise(y)
+    # test_schema compares fp8 inputs with a multiply that CPU torch lacks for float8: fake tensors only
+    torch.library.opcheck(ops.dequantize_columnwise_bf16_op.op, (cd, cs), test_utils=("test_faketensor",))
     rs = torch.rand(T, device=DEVICE) + 0.5
     torch.library.opcheck(ops.rmsnorm_bwd_op.op, (torch.randn(T, K, device=DEVICE), x, rs, w, False),
                           test_utils=tests)
+
+
+@pytest.mark.parametrize("T", [1, 45, 96])
+def test_dequantize_columnwise_kernel(T):
+    """bf16 image of the saved columnwise xn: bytes of the reference's dequantize (NaN positions kept)."""
+    x = torch.randn(T, 96) * torch.exp2(torch.randint(-30, 30, (T, 96)).float())
+    x[0, 3], x[-1, 5], x[T // 2, 7] = float("nan"), -float("nan"), float("inf")
+    x[:, 9] = 0.0
+    cd, cs = RM.quantize_columnwise(x.to(DEVICE))
+    from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16
+
+    _same_bytes_or_both_nan(dequantize_columnwise_bf16(cd, cs), RM.dequantize_columnwise(cd, cs, torch.bfloat16),
+                            "xn image")

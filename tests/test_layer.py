@@ -414,3 +414,30 @@ def test_deterministic():
 @pytest.mark.gpu
 def test_deterministic_gpu():
     check_deterministic(V3["K"], V3["H"], V3["nope"], V3["R"], 4096)
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("use_main_grad", [False, True])
+def test_backward_head_groups(precision, use_main_grad, monkeypatch):
+    """The backward walked in head groups (GROUP_ELEMENTS lowered: 4 groups) against one group: each dW row block is
+    the same GEMM (bitwise equal); dxn is summed over the groups (fp32 summation order only)."""
+    from mla_qproj import backend
+
+    T = 40
+    layer = make_layer(64, 4, 32, 64, precision=precision)  # contiguous-tile RoPE geometry
+    x = torch.randn(T, 64, device=DEV)
+    cos, sin = hf_tables(torch.arange(T, device=DEV), 64)
+    _, _, g1, dy = run(layer, x, cos, sin)
+    assert backend.head_groups(T, layer.cfg) == 1
+    monkeypatch.setattr(backend, "GROUP_ELEMENTS", 1)
+    assert backend.head_groups(T, layer.cfg) == 4
+    if use_main_grad:
+        layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+        xx = x.clone().requires_grad_()
+        layer(xx, cos, sin).float().backward(dy)
+        g4 = {"dx": xx.grad, "dnorm_weight": layer.norm_weight.grad, "dweight": layer.weight.main_grad}
+    else:
+        _, _, g4, _ = run(layer, x, cos, sin, dy=dy)
+    assert torch.equal(g4["dweight"].float(), g1["dweight"].float()), "dW row blocks must not depend on grouping"
+    assert_rel_err(g4["dx"], g1["dx"], 1e-5, "dx grouped vs ungrouped")
+    assert_rel_err(g4["dnorm_weight"], g1["dnorm_weight"], 1e-5, "dnorm_weight grouped vs ungrouped")

@@ -28,6 +28,7 @@ from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane
     fused_gemm_supported,
     prepare_fused_weight,
     qproj_gemm_fwd,
+    tma_store_supported,
 )
 
 DEEPSEEK = dict(K=1536, H=128, P=128, R=64, D=192)
@@ -113,6 +114,25 @@ AWKWARD = {
     "rope_gather": dict(T=70, geo=(96, 3, 128, 64, 192), kw=dict(ROPE_BCAST=False)),
     "block_m_64": dict(T=100, geo=(64, 3, 128, 64, 192), style="neox", kw=dict(BLOCK_M=64)),
 }
+
+
+@pytest.mark.parametrize("style", ["deepseek", "neox"])
+@pytest.mark.parametrize("fmt,col", [("mxfp8", False), ("mxfp8", True), ("bf16", False)])
+@pytest.mark.parametrize("P", [128, 0])
+def test_tma_store_epilogue(style, fmt, col, P, device):
+    """TMA_STORE (outputs stored through [T, H, D] tensor descriptors): the same bytes as the pointer stores,
+    and the reference's codes; T not a multiple of the tile (clipped rows)."""
+    cfg = _cfg(64, 3, P, 64, P + 64, style=style, fmt=fmt, col=col)
+    assert tma_store_supported(cfg)
+    a, w, cos_h, sin_h, ref = _case(45, cfg, device)
+    wp = prepare_fused_weight(w, cfg)
+    knobs = dict(FLATTEN=False) if fmt == "bf16" else {}  # Triton 3.6 rejects the flattened loop with bf16 TMA stores
+    out = qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, TMA_STORE=True, **knobs)
+    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg), strict=True)):
+        if b is not None:
+            assert_bytes_equal(o, b, f"TMA_STORE output {i}")
+    _check(out, ref, cfg)
+    assert not tma_store_supported(_cfg(64, 3, 96, 64, 160))  # pass-through halves would straddle heads
 
 
 @pytest.mark.parametrize("name", list(AWKWARD))

@@ -150,3 +150,52 @@ def round_to_bf16(x):
     bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
     y = bits.to(tl.float32, bitcast=True)
     return tl.where(x == x, y, x).to(tl.bfloat16)
+
+
+# ------------------------------------------------------------------ GPU fast forms (same bytes, fewer instructions)
+# EMULATED (a constexpr: the interpreter, or a CPU tensor) selects the explicit forms above; on the GPU the hardware
+# instructions give the same bytes: max.f32 ignores NaN, cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even and
+# saturates to ±448, cvt.rn.bf16.f32 rounds to nearest even.
+
+
+@triton.jit
+def amax_nan_ignoring(x, axis: tl.constexpr, EMULATED: tl.constexpr):
+    """max |x| along axis ignoring NaN (NaN only when all are NaN)."""
+    if EMULATED:
+        m = nan_ignoring_amax(x, axis)
+    else:
+        m = tl.max(tl.abs(x), axis=axis)
+    return m
+
+
+@triton.jit
+def quantize_e4m3(x, byte, EMULATED: tl.constexpr):
+    """`quantize_to_e4m3` with the hardware cast on the GPU; NaN keeps its sign (0x7F | sign) on both paths
+    (the GPU's multiply and cast canonicalize NaN to +NaN)."""
+    if EMULATED:
+        q = quantize_to_e4m3(x, byte)
+    else:
+        code = (x * quant_multiplier(byte)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        nan_code = (0x7F | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
+        q = tl.where(x == x, code, nan_code).to(tl.float8e4nv, bitcast=True)
+    return q
+
+
+@triton.jit
+def to_bf16(x, EMULATED: tl.constexpr):
+    """fp32 -> bf16, round to nearest even (explicit bits in the interpreter, cvt.rn on the GPU)."""
+    if EMULATED:
+        y = round_to_bf16(x)
+    else:
+        y = x.to(tl.bfloat16)
+    return y
+
+
+@triton.jit
+def dequantize_e4m3(q, byte, x, EMULATED: tl.constexpr):
+    """The exact value of code q under scale byte (fp32; exact in bf16), NaN where the quantized x was NaN (the
+    interpreter decodes the E4M3 NaN code 0x7F as 480; the GPU's cvt decodes it as NaN)."""
+    v = q.to(tl.float32) * e8m0_to_fp32(byte)
+    if EMULATED:
+        v = tl.where(x == x, v, x)
+    return v

@@ -68,3 +68,34 @@ def mxfp8_quant_2d(x2d: torch.Tensor, rowwise: bool, columnwise: bool, scale_mod
         num_warps=4,
     )
     return rd, rs, cd, cs
+
+
+@triton.jit
+def _dequant_colwise_kernel(data_ptr, scale_ptr, out_ptr, T, N, BLOCK_N: tl.constexpr):
+    """bf16 image of a columnwise MXFP8 [T, N]: one [32, BLOCK_N] tile (one scale row) per program."""
+    i_t, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    o_t = i_t * 32 + tl.arange(0, 32)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    m = (o_t < T)[:, None] & m_n[None, :]
+    b_q = tl.load(data_ptr + o_t[:, None] * N + o_n[None, :], mask=m, other=0.0)
+    b_byte = tl.load(scale_ptr + i_t * N + o_n, mask=m_n, other=127).to(tl.int32)
+    # 2^(byte - 127), NaN for byte 0xFF (SPEC §2); byte 0 decodes to the subnormal 2^-127
+    b_pow = (tl.maximum(b_byte, 1) << 23).to(tl.float32, bitcast=True)
+    b_s = tl.where(b_byte == 0xFF, float("nan"), tl.where(b_byte == 0, 5.877471754111438e-39, b_pow))
+    b_v = b_q.to(tl.float32) * b_s[None, :]
+    # the interpreter decodes the E4M3 NaN code as 480: keep NaN a NaN (with its sign) explicitly
+    b_code = b_q.to(tl.uint8, bitcast=True)
+    b_v = tl.where((b_code & 0x7F) == 0x7F, tl.where(b_code >= 0x80, -float("nan"), float("nan")), b_v)
+    tl.store(out_ptr + o_t[:, None] * N + o_n[None, :], b_v.to(tl.bfloat16), mask=m)
+
+
+def dequantize_columnwise_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """data fp8 [T, N] contiguous, scale uint8 [ceil(T/32), N] -> the exact bf16 image [T, N] (one pass)."""
+    T, N = data.shape
+    out = torch.empty((T, N), dtype=torch.bfloat16, device=data.device)
+    if T and N:
+        BLOCK_N = 128 if N >= 128 else 64 if N >= 64 else 32
+        _dequant_colwise_kernel[(triton.cdiv(T, MX_BLOCK), triton.cdiv(N, BLOCK_N))](
+            data_ptr=data, scale_ptr=scale, out_ptr=out, T=T, N=N, BLOCK_N=BLOCK_N, num_warps=4)
+    return out

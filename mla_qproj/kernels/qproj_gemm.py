@@ -44,7 +44,7 @@ BLOCK_N = 256  # rows of W' per tile (two halves); fixed because `prepare_fused_
 HALF_N = BLOCK_N // 2
 _MX = 32
 
-__all__ = ["fused_gemm_supported", "prepare_fused_weight", "qproj_gemm_fwd", "fused_layout"]
+__all__ = ["fused_gemm_supported", "prepare_fused_weight", "qproj_gemm_fwd", "fused_layout", "tma_store_supported"]
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -72,6 +72,15 @@ def fused_gemm_supported(cfg: QProjConfig) -> bool:
         return True
     P, RH = cfg.qk_head_dim, cfg.rope_dim // 2
     return P % _MX == 0 and RH % (16 if cfg.rope_style == "gptj" else _MX) == 0
+
+
+def tma_store_supported(cfg: QProjConfig) -> bool:
+    """Output halves are boxes of the [T, H, D] output: P % 128 == 0, no trailing pass-through, 128 % (R/2) == 0,
+    rows of >= 16 bytes (TMA), not the gptj MXFP8 layout (its halves interleave inside MX blocks)."""
+    P, R, D, RH = cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_dim // 2
+    elem = 1 if cfg.output_format == "mxfp8" else 2
+    return (fused_gemm_supported(cfg) and not _paired(cfg) and P % HALF_N == 0 and D == P + R
+            and HALF_N % RH == 0 and RH * elem >= 16 and (D * elem) % 16 == 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -216,11 +225,28 @@ def _to_bf16(b_x, EMULATED: tl.constexpr):
 
 
 @triton.jit
-def _store_half(b_y, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, T, HALF: tl.constexpr,
+def _tma_store_half(desc_pass, desc_rope, b_v, i_m, i_n, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                    HB: tl.constexpr, P: tl.constexpr, R: tl.constexpr, NT_PASS: tl.constexpr):
+    """Store one half b_v [BLOCK_M, HB] (output dtype) through a tensor descriptor of the [T, H, D] output (TMA on
+    sm_90: asynchronous, drains while the next tile's MMAs run). TMA_STORE geometries: P % HB == 0, no trailing
+    pass-through, HB % (R/2) == 0, so a pass-through half is [BLOCK_M, 1, HB] at (token, head, column) and a
+    rope half is [BLOCK_M, HB / (R/2), R/2] (the same pair run of HB / (R/2) heads). Rows past T are clipped."""
+    RH: tl.constexpr = R // 2
+    if i_n < NT_PASS:
+        c = i_n * (2 * HB) + HALF * HB
+        desc_pass.store([i_m * BLOCK_M, c // P, c % P], tl.reshape(b_v, [BLOCK_M, 1, HB]))
+    else:
+        u = (i_n - NT_PASS) * HB
+        desc_rope.store([i_m * BLOCK_M, u // RH, P + HALF * RH], tl.reshape(b_v, [BLOCK_M, HB // RH, RH]))
+
+
+@triton.jit
+def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
+                HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, HB: tl.constexpr, H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                 R: tl.constexpr, STYLE: tl.constexpr, PAIRED: tl.constexpr, SEG: tl.constexpr,
                 NT_PASS: tl.constexpr, OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr,
-                SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr):
+                SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr):
     """Store one half b_y [BLOCK_M, HB] (fp32, after RoPE): bf16, or MXFP8 rowwise (unless PAIRED, done by the
     caller) and columnwise."""
     N: tl.constexpr = H * D
@@ -228,14 +254,20 @@ def _store_half(b_y, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, T, HALF
     m = m_t[:, None] & m_n[None, :]
     o_y = o_t[:, None] * N + o_n[None, :]  # [BLOCK_M, HB] int64
     if OUT_FORMAT == "bf16":
-        tl.store(y_ptr + o_y, _to_bf16(b_y, EMULATED), mask=m)
+        if TMA_STORE:
+            _tma_store_half(yd_pass, yd_rope, _to_bf16(b_y, EMULATED), i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
+        else:
+            tl.store(y_ptr + o_y, _to_bf16(b_y, EMULATED), mask=m)
     else:
         tl.static_assert(OUT_FORMAT == "mxfp8")
         if not PAIRED:
             b_y3 = tl.reshape(b_y, [BLOCK_M, HB // 32, 32])
             b_byte = e8m0_from_amax(_amax(b_y3, 2, EMULATED), SCALE_MODE)  # [BLOCK_M, HB // 32]
             b_q = tl.reshape(_quant(b_y3, b_byte[:, :, None], EMULATED), [BLOCK_M, HB])
-            tl.store(y_ptr + o_y, b_q, mask=m)
+            if TMA_STORE:
+                _tma_store_half(yd_pass, yd_rope, b_q, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
+            else:
+                tl.store(y_ptr + o_y, b_q, mask=m)
             _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 32, HALF, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS,
                                  HB)
         if COLWISE:
@@ -243,7 +275,10 @@ def _store_half(b_y, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, T, HALF
             b_c3 = tl.reshape(tl.where(m_t[:, None], b_y, float("nan")), [BLOCK_M // 32, 32, HB])
             b_cbyte = e8m0_from_amax(_amax(b_c3, 1, EMULATED), SCALE_MODE)  # [BLOCK_M // 32, HB]
             b_cq = tl.reshape(_quant(b_c3, b_cbyte[:, None, :], EMULATED), [BLOCK_M, HB])
-            tl.store(cd_ptr + o_y, b_cq, mask=m)
+            if TMA_STORE:
+                _tma_store_half(cd_pass, cd_rope, b_cq, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
+            else:
+                tl.store(cd_ptr + o_y, b_cq, mask=m)
             m_b = o_tb < tl.cdiv(T, 32)  # o_tb [BLOCK_M // 32]: rows of the column scale
             tl.store(cs_ptr + o_tb[:, None] * N + o_n[None, :], b_cbyte.to(tl.uint8), mask=m_b[:, None] & m_n[None, :])
 
@@ -301,11 +336,12 @@ def _mainloop(a_desc, w_desc, i_m, i_n, K: tl.constexpr, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, T,
+def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass,
+              cd_rope, T,
               H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
               PAIRED: tl.constexpr, SEG: tl.constexpr, OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr,
               SCALE_MODE: tl.constexpr, NT_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr,
-              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr):
+              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr):
     """RoPE on a rope tile's halves, then bf16 / MXFP8 stores of both halves."""
     RH: tl.constexpr = R // 2
     o_t = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows, int64 offsets
@@ -343,10 +379,12 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_
         tl.store(y_ptr + o_t[:, None] * N + o_l[None, :], b_ql, mask=m_t[:, None] & m_l[None, :])
         tl.store(y_ptr + o_t[:, None] * N + o_h[None, :], b_qh, mask=m_t[:, None] & m_h[None, :])
         _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 16, 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-    _store_half(b_lo, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, T, 0, BLOCK_M, HB, H, D, P, R, STYLE,
-                PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED)
-    _store_half(b_hi, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, T, 1, BLOCK_M, HB, H, D, P, R, STYLE,
-                PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED)
+    _store_half(b_lo, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
+                0, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED,
+                TMA_STORE)
+    _store_half(b_hi, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
+                1, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED,
+                TMA_STORE)
 
 
 @triton.jit(launch_metadata=_launch_metadata)
@@ -354,6 +392,7 @@ def _qproj_gemm_fwd_kernel(
     a_desc, w_desc,  # [T, K] bf16 ; [(NT_PASS + NT_ROPE) * 2 * HB, K] bf16 (W' rows = kernel columns)
     cos_ptr, sin_ptr,  # [T, R // 2] fp32
     y_ptr, rs_ptr, cd_ptr, cs_ptr,  # outputs: bf16 y [T, H, D] | fp8 row data, row scale, col data, col scale
+    yd_pass, yd_rope, cd_pass, cd_rope,  # TMA_STORE: descriptors of y / col data viewed [T, H, D] (else None)
     T,
     K: tl.constexpr, H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
     STYLE: tl.constexpr, PAIRED: tl.constexpr, SEG: tl.constexpr,
@@ -361,7 +400,7 @@ def _qproj_gemm_fwd_kernel(
     NT_PASS: tl.constexpr, NT_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     TWO_DOTS: tl.constexpr, ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, DOT_F32: tl.constexpr,
-    FLATTEN: tl.constexpr, SERIAL_LOOP: tl.constexpr, EPILOGUE: tl.constexpr,
+    FLATTEN: tl.constexpr, SERIAL_LOOP: tl.constexpr, EPILOGUE: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     """lo = A·W'_loᵀ, hi = A·W'_hiᵀ (fp32); rope tiles: lo' = lo·c - hi·s, hi' = hi·c + lo·s;
     then each half -> bf16 or MXFP8 (rowwise 32-blocks along each head's D, columnwise 32-blocks along T)."""
@@ -374,8 +413,9 @@ def _qproj_gemm_fwd_kernel(
         while tile < num_tiles:
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
             b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
-            _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, T, H, D, P, R, STYLE,
-                      PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE, NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED)
+            _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope,
+                      cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE, NT_PASS,
+                      BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             tile += NUM_SMS
     else:
         tile_c = i_sm - NUM_SMS  # the epilogue's own counter: the next tile's loads can be hoisted over it
@@ -385,9 +425,9 @@ def _qproj_gemm_fwd_kernel(
             tile_c += NUM_SMS
             i_m, i_n = _tile_coords(tile_c, num_m, NT_N, GROUP_M)
             if EPILOGUE:
-                _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, T, H, D, P, R,
-                          STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE, NT_PASS, BLOCK_M, HB, ROPE_BCAST,
-                          EMULATED)
+                _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope,
+                          cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
+                          NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             elif T < 0:  # benchmark knob EPILOGUE=False: the GEMM alone (never stores, but keeps the dots alive)
                 tl.store(y_ptr + tl.arange(0, HB), (b_lo + b_hi).reshape(BLOCK_M, HB).max(axis=0).to(
                     y_ptr.dtype.element_ty))
@@ -482,7 +522,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     # emulated rounding (2.34 ms) with identical bytes. GEMM alone (EPILOGUE=False): 1.64 ms.
     knobs = dict(TWO_DOTS=False, ROPE_BCAST=HALF_N % RH == 0 and (RH & (RH - 1)) == 0,
                  EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True)
+                 EPILOGUE=True, TMA_STORE=False)
     conf.update(knobs)
     conf.update(overrides)
     if not conf["EPILOGUE"]:  # Triton 3.6's loop-fusion pass rejects the flattened loop without the epilogue
@@ -497,8 +537,17 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     def grid(meta):
         return (min(meta["NUM_SMS"], num_tiles),)
 
+    descs = dict(yd_pass=None, yd_rope=None, cd_pass=None, cd_rope=None)
+    if conf["TMA_STORE"]:
+        if not tma_store_supported(cfg):
+            raise ValueError(f"TMA_STORE does not cover this geometry: {cfg}")
+        P = cfg.qk_head_dim
+        for name, t in (("yd", y), ("cd", cd)):
+            if t is not None:
+                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HALF_N]) if P else None
+                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HALF_N // RH, RH])
     _qproj_gemm_fwd_kernel[grid](
-        a_desc=a_desc, w_desc=w_desc, cos_ptr=cos_h, sin_ptr=sin_h,
+        a_desc=a_desc, w_desc=w_desc, cos_ptr=cos_h, sin_ptr=sin_h, **descs,
         y_ptr=y, rs_ptr=rs if rs is not None else y, cd_ptr=cd if cd is not None else y,
         cs_ptr=cs if cs is not None else y,
         T=T, K=K, H=H, D=D, P=cfg.qk_head_dim, R=R,

@@ -9,8 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
-from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3, round_to_bf16
+from ._common import amax_nan_ignoring, dequantize_e4m3, e8m0_from_amax, quantize_e4m3, to_bf16
 
 
 @triton.jit
@@ -18,9 +19,13 @@ def _rmsnorm_quant_fwd_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, a_ptr, col_data_ptr, col_scale_ptr,
     T, eps, K: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, PRECISION: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr, EMULATED: tl.constexpr,
 ):
-    """rsigma = 1/sqrt(mean(x^2) + eps); xn = x * rsigma * g (fp32); A = dequant(quant_row(xn)) as bf16."""
+    """Program (32 tokens, column chunk): rsigma = 1/sqrt(mean(x^2) + eps) over the whole row (every chunk's
+    program computes it the same way; chunk 0 stores it), then for the chunk's columns xn = x * rsigma * g (fp32)
+    -> A = dequant(quant_row(xn)) as bf16 and the columnwise MXFP8 of xn."""
     i_t = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
     o_t = i_t * 32 + tl.arange(0, 32)
     m_t = o_t < T
     b_ss = tl.zeros([32, BLOCK_K], dtype=tl.float32)
@@ -31,10 +36,10 @@ def _rmsnorm_quant_fwd_kernel(
         b_ss += b_x * b_x
     # correctly rounded sqrt and division (tl.rsqrt is approximate on the GPU)
     b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))  # [32]
-    tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)
+    tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t & (i_c == 0))
     NB: tl.constexpr = BLOCK_K // 32
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
+    for kk in range(0, CHUNK_K, BLOCK_K):  # constexpr bounds (the interpreter's range takes no tensors)
+        o_k = i_c * CHUNK_K + kk + tl.arange(0, BLOCK_K)
         m_k = o_k < K
         m = m_t[:, None] & m_k[None, :]
         # rows past T load as NaN so the columnwise amax ignores them (partial last block)
@@ -46,19 +51,33 @@ def _rmsnorm_quant_fwd_kernel(
         p_a = a_ptr + o_t[:, None] * K + o_k[None, :]
         if PRECISION == "mxfp8":
             b_xr = tl.reshape(b_xn, (32, NB, 32))
-            b_byte = e8m0_from_amax(nan_ignoring_amax(b_xr, 2), SCALE_MODE)  # [32, NB]
-            b_q = quantize_to_e4m3(b_xr, b_byte[:, :, None]).to(tl.float32) * e8m0_to_fp32(b_byte)[:, :, None]
+            b_byte = e8m0_from_amax(amax_nan_ignoring(b_xr, 2, EMULATED), SCALE_MODE)  # [32, NB]
+            b_q = dequantize_e4m3(quantize_e4m3(b_xr, b_byte[:, :, None], EMULATED), b_byte[:, :, None], b_xr,
+                                  EMULATED)
             tl.store(p_a, tl.reshape(b_q, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
-            b_cbyte = e8m0_from_amax(nan_ignoring_amax(b_xn, 0), SCALE_MODE)  # [BLOCK_K]
-            tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], quantize_to_e4m3(b_xn, b_cbyte[None, :]), mask=m)
+            b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
+            tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED),
+                     mask=m)
             tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
         else:
             tl.static_assert(PRECISION == "bf16")
-            tl.store(p_a, round_to_bf16(b_xn), mask=m)
+            tl.store(p_a, to_bf16(b_xn, EMULATED), mask=m)
+
+
+def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
+    """Launch knobs (defaults measured on an H200, see BENCHMARKS.md); knobs override (benchmarks, tests)."""
+    block_k = 128 if K >= 128 else 64 if K >= 64 else 32
+    conf = dict(BLOCK_K=block_k, CHUNK_K=None, num_warps=8, EMULATED=interpreter_enabled() or device.type != "cuda")
+    conf.update(knobs)
+    if conf["CHUNK_K"] is None:
+        conf["CHUNK_K"] = K
+    if conf["CHUNK_K"] < K and conf["CHUNK_K"] % conf["BLOCK_K"]:
+        raise ValueError(f"CHUNK_K ({conf['CHUNK_K']}) must be a multiple of BLOCK_K ({conf['BLOCK_K']})")
+    return conf
 
 
 def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
-                      precision: str, scale_mode: str):
+                      precision: str, scale_mode: str, **knobs):
     """x2d [T, K] (unit inner stride) -> (rsigma [T] fp32, A [T, K] bf16, col_data [T, K] fp8,
     col_scale [ceil(T/32), K] uint8); the columnwise pair is empty for precision='bf16'."""
     T, K = x2d.shape
@@ -70,10 +89,10 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     cs = torch.empty((triton.cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8, device=dev)
     if T == 0:
         return rsigma, a, cd, cs
-    _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32),)](
+    conf = _launch_conf(T, K, x2d.device, **knobs)
+    _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32), triton.cdiv(K, conf["CHUNK_K"]))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd, col_scale_ptr=cs, T=T, K=K, eps=eps,
-        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode,
-        BLOCK_K=128 if K >= 128 else 64 if K >= 64 else 32, num_warps=8,
+        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, **conf,
     )
     return rsigma, a, cd, cs

@@ -17,14 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
 from ._common import (
+    amax_nan_ignoring,
+    dequantize_e4m3,
     e8m0_from_amax,
-    e8m0_to_fp32,
     nan_ignoring_amax,
+    quantize_e4m3,
     quantize_to_e4m3,
     rope_sources,
     round_to_bf16,
+    to_bf16,
 )
 
 
@@ -69,7 +73,7 @@ def _rope_quant_kernel(
                 tl.store(out_ptr + o_out, b_q, mask=m)
                 tl.store(row_scale_ptr + o_t * (N // 32) + i_h * (D // 32) + j, b_byte.to(tl.uint8), mask=m_t)
             else:
-                b_img = b_q.to(tl.float32) * e8m0_to_fp32(b_byte)[:, None]
+                b_img = dequantize_e4m3(b_q, b_byte[:, None], b_o, True)
                 tl.store(out_ptr + o_out, b_img.to(tl.bfloat16), mask=m)  # exact image
             if COLUMNWISE:
                 b_cbyte = e8m0_from_amax(nan_ignoring_amax(b_o, 0), SCALE_MODE)  # [32]: one block per column
@@ -78,7 +82,7 @@ def _rope_quant_kernel(
                     tl.store(col_data_ptr + o_out, b_cq, mask=m)
                     tl.store(col_scale_ptr + i_t * N + i_h * D + o_d, b_cbyte.to(tl.uint8), mask=m_d)
                 else:
-                    b_cimg = b_cq.to(tl.float32) * e8m0_to_fp32(b_cbyte)[None, :]
+                    b_cimg = dequantize_e4m3(b_cq, b_cbyte[None, :], b_o, True)
                     tl.store(col_data_ptr + o_out, b_cimg.to(tl.bfloat16), mask=m)
         elif MODE == "bf16":
             tl.store(out_ptr + o_out, round_to_bf16(b_o), mask=m)
@@ -87,14 +91,142 @@ def _rope_quant_kernel(
             tl.store(out_ptr + o_out, b_o, mask=m)
 
 
+# ------------------------------------------------------------------------------------------ fast path
+# Geometries whose qk_head_dim, rope_dim / 2 and trailing pass-through are multiples of 32 (DeepSeek: 128 + 64 + 0):
+# every MX block of a head is either 32 pass-through columns or one half of 32 rope pairs, so the rope part is read
+# and written as contiguous [32, 32] / [32, 64] tiles (no gathers): an interleaved tile is split into its even/odd
+# members (reshape + split) or joined back (join + reshape), and cos/sin are [32 tokens, 32 pairs] tiles.
+
+
+@triton.jit
+def _emit_tile(b_y, o_t, m_t, i_t, col0, out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
+               W: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
+               SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr):
+    """Store b_y [32 tokens, W] (fp32, W % 32 == 0) at output columns col0 + [0, W): rowwise MXFP8 (one block per
+    32 columns) as codes + scales or as the bf16 image, columnwise (one block per column), bf16 or fp32."""
+    o_w = tl.arange(0, W)
+    o_out = o_t[:, None] * N + col0 + o_w[None, :]
+    m = m_t[:, None] & (o_w < W)[None, :]
+    if MODE == "mxfp8" or MODE == "mxfp8_images":
+        b_y3 = tl.reshape(b_y, [32, W // 32, 32])
+        b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)  # [32, W // 32]
+        b_q = quantize_e4m3(b_y3, b_byte[:, :, None], EMULATED)
+        if MODE == "mxfp8":
+            tl.store(out_ptr + o_out, tl.reshape(b_q, [32, W]), mask=m)
+            o_s = o_t[:, None] * (N // 32) + col0 // 32 + tl.arange(0, W // 32)[None, :]
+            tl.store(row_scale_ptr + o_s, b_byte.to(tl.uint8), mask=m_t[:, None])
+        else:
+            b_img = dequantize_e4m3(b_q, b_byte[:, :, None], b_y3, EMULATED)  # exact in bf16
+            tl.store(out_ptr + o_out, tl.reshape(b_img, [32, W]).to(tl.bfloat16), mask=m)
+        if COLUMNWISE:
+            b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_y, 0, EMULATED), SCALE_MODE)  # [W]
+            b_cq = quantize_e4m3(b_y, b_cbyte[None, :], EMULATED)
+            if MODE == "mxfp8":
+                tl.store(col_data_ptr + o_out, b_cq, mask=m)
+                tl.store(col_scale_ptr + i_t * N + col0 + o_w, b_cbyte.to(tl.uint8))
+            else:
+                b_cimg = dequantize_e4m3(b_cq, b_cbyte[None, :], b_y, EMULATED)
+                tl.store(col_data_ptr + o_out, b_cimg.to(tl.bfloat16), mask=m)
+    elif MODE == "bf16":
+        tl.store(out_ptr + o_out, to_bf16(b_y, EMULATED), mask=m)
+    else:
+        tl.static_assert(MODE == "fp32")
+        tl.store(out_ptr + o_out, b_y, mask=m)
+
+
+@triton.jit
+def _rope_quant_fast_kernel(
+    y_ptr, stride_y, cos_ptr, sin_ptr,
+    out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
+    T,
+    H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
+    STYLE: tl.constexpr, INVERSE: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, HEADS: tl.constexpr, NOPE_W: tl.constexpr, EMULATED: tl.constexpr,
+):
+    """One program per (32 tokens, HEADS heads). Pairs (x1, x2) -> forward (x1 c - x2 s, x2 c + x1 s), inverse
+    (x1 c + x2 s, x2 c - x1 s), each product rounded before the sum (launched with FMA contraction off), the
+    reference's operation order. Interleaved layouts hold pair i at (2i, 2i + 1), halves at (i, R/2 + i):
+    deepseek forward reads interleaved and writes halves (its inverse the opposite), neox is halves both ways,
+    gptj interleaved both ways."""
+    i_t = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = R // 2
+    N: tl.constexpr = H * D
+    IN_IL: tl.constexpr = (STYLE == "gptj") or (STYLE == "deepseek" and not INVERSE)
+    OUT_IL: tl.constexpr = (STYLE == "gptj") or (STYLE == "deepseek" and INVERSE)
+    o_t = i_t * 32 + tl.arange(0, 32)
+    m_t = o_t < T
+    o_32 = tl.arange(0, 32)
+    for hh in tl.static_range(HEADS):
+        i_h = tl.program_id(1).to(tl.int64) * HEADS + hh
+        p_y = y_ptr + o_t[:, None] * stride_y + i_h * D  # [32, 1] row starts of this head
+        # pass-through columns: [32, NOPE_W] tiles; rows past T load as NaN (ignored by every amax, not stored)
+        for j in tl.static_range(NOPE // NOPE_W):
+            o_w = j * NOPE_W + tl.arange(0, NOPE_W)
+            b_x = tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+            _emit_tile(b_x, o_t, m_t, i_t, i_h * D + j * NOPE_W, out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
+                       NOPE_W, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED)
+        # trailing pass-through columns [NOPE + R, D): [32, 32] tiles
+        for j in tl.static_range((D - NOPE - R) // 32):
+            o_w = NOPE + R + j * 32 + o_32
+            b_x = tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+            _emit_tile(b_x, o_t, m_t, i_t, i_h * D + NOPE + R + j * 32, out_ptr, row_scale_ptr, col_data_ptr,
+                       col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED)
+        # rope columns: chunks of 32 pairs
+        for c in tl.static_range(HALF // 32):
+            o_cs = o_t[:, None] * HALF + c * 32 + o_32[None, :]
+            b_c = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0)
+            b_s = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0)
+            if IN_IL:
+                o_in = NOPE + c * 64 + tl.arange(0, 64)
+                b_in = tl.load(p_y + o_in[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+                b_x1, b_x2 = tl.split(tl.reshape(b_in, [32, 32, 2]))
+            else:
+                o_1 = NOPE + c * 32 + o_32
+                b_x1 = tl.load(p_y + o_1[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+                b_x2 = tl.load(p_y + (o_1 + HALF)[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+            if INVERSE:
+                b_y1 = b_x1 * b_c + b_x2 * b_s
+                b_y2 = b_x2 * b_c - b_x1 * b_s
+            else:
+                b_y1 = b_x1 * b_c - b_x2 * b_s
+                b_y2 = b_x2 * b_c + b_x1 * b_s
+            if OUT_IL:
+                b_yo = tl.reshape(tl.join(b_y1, b_y2), [32, 64])
+                _emit_tile(b_yo, o_t, m_t, i_t, i_h * D + NOPE + c * 64, out_ptr, row_scale_ptr, col_data_ptr,
+                           col_scale_ptr, 64, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED)
+            else:
+                _emit_tile(b_y1, o_t, m_t, i_t, i_h * D + NOPE + c * 32, out_ptr, row_scale_ptr, col_data_ptr,
+                           col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED)
+                _emit_tile(b_y2, o_t, m_t, i_t, i_h * D + NOPE + HALF + c * 32, out_ptr, row_scale_ptr,
+                           col_data_ptr, col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED)
+
+
+def fast_path_supported(qk_head_dim: int, rope_dim: int, head_dim: int) -> bool:
+    """The contiguous-tile kernel covers qk_head_dim, rope_dim / 2 and the trailing pass-through width
+    head_dim - qk_head_dim - rope_dim all multiples of 32 (DeepSeek: 128 + 64 + 0)."""
+    tail = head_dim - qk_head_dim - rope_dim
+    return qk_head_dim % 32 == 0 and rope_dim > 0 and (rope_dim // 2) % 32 == 0 and tail >= 0 and tail % 32 == 0
+
+
+def _fast_launch(num_heads: int, qk_head_dim: int, device: torch.device, **knobs) -> dict:
+    """Launch knobs of the fast kernel (defaults measured on an H200, see BENCHMARKS.md); knobs override."""
+    heads = knobs.pop("HEADS", None) or next(h for h in (4, 2, 1) if num_heads % h == 0)
+    nope_w = knobs.pop("NOPE_W", None) or next((w for w in (128, 64, 32) if qk_head_dim % w == 0), 32)
+    conf = dict(HEADS=heads, NOPE_W=nope_w, num_warps=4,
+                EMULATED=interpreter_enabled() or device.type != "cuda")
+    conf.update(knobs)
+    return conf
+
+
 def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, num_heads: int, head_dim: int,
                qk_head_dim: int, rope_dim: int, rope_style: str, inverse: bool, mode: str, columnwise: bool,
-               scale_mode: str):
+               scale_mode: str, fast: bool | None = None, **knobs):
     """y2d [T, H*D] (unit inner stride), cos_h/sin_h [T, R/2] fp32 contiguous.
 
     mode 'mxfp8': (row data fp8 [T, N], row scale [T, N/32], col data, col scale [ceil(T/32), N]) — forward output.
     mode 'mxfp8_images': (row image bf16 [T, N], col image bf16 [T, N]) — backward GEMM operands.
     mode 'bf16' / 'fp32': (rotated [T, N],). Absent outputs are empty tensors. MXFP8 modes need D % 32 == 0.
+    fast: the contiguous-tile kernel (default: when `fast_path_supported`); knobs: its launch knobs (benchmarks).
     """
     T, N = y2d.shape
     dev = y2d.device
@@ -108,7 +240,17 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
         rs = e((0,), dtype=torch.uint8, device=dev)
     cd = e((T, N) if columnwise else (0,), dtype=torch.float8_e4m3fn if mx else torch.bfloat16, device=dev)
     cs = e((triton.cdiv(T, MX_BLOCK), N) if (columnwise and mx) else (0,), dtype=torch.uint8, device=dev)
-    if T > 0:
+    if fast is None:
+        fast = fast_path_supported(qk_head_dim, rope_dim, head_dim)
+    if T > 0 and fast:
+        conf = _fast_launch(num_heads, qk_head_dim, dev, **knobs)
+        _rope_quant_fast_kernel[(triton.cdiv(T, 32), num_heads // conf["HEADS"])](
+            y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h,
+            out_ptr=out, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs, T=T,
+            H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style, INVERSE=inverse,
+            MODE=mode, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, enable_fp_fusion=False, **conf,
+        )
+    elif T > 0:
         _rope_quant_kernel[(triton.cdiv(T, 32), num_heads)](
             y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h,
             out_ptr=out, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs, T=T,

@@ -1,0 +1,112 @@
+"""Launch-knob sweep of the memory-bound kernels on the GPU (one device call): every variant is checked against the
+default's bytes, then timed; GB/s counts the bytes each kernel must move, "of copy" is against a device copy.
+
+    python scripts/kernel_sweep.py [--tokens 4096,16384]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16  # noqa: E402
+from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd  # noqa: E402
+from mla_qproj.kernels.rope_quant import rope_quant  # noqa: E402
+from mla_qproj.reference.mxfp8 import dequantize_columnwise, quantize_columnwise  # noqa: E402
+
+K, H, NOPE, ROPE = 1536, 128, 128, 64
+D = NOPE + ROPE
+N = H * D
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def same(a, b) -> bool:
+    for x, y in zip(a, b, strict=True):
+        if x.dtype in (torch.bfloat16, torch.float32):
+            if not torch.equal(x.isnan(), y.isnan()) or not torch.equal(x.nan_to_num(), y.nan_to_num()):
+                return False
+        elif not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+            return False
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="4096,16384")
+    args = p.parse_args()
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        src = torch.randn(T * N // 2, device="cuda")
+        dst = torch.empty_like(src)
+        copy_gbs = 2 * src.numel() * 4 / bench(lambda: dst.copy_(src)) / 1e6  # noqa: B023
+        rows.append((T, "device copy", "", 0.0, copy_gbs))
+        # inverse RoPE + dy quantize (backward operands)
+        dq = (torch.randn(T, N, device="cuda") * 3).to(torch.bfloat16)
+        c, s = torch.randn(T, ROPE // 2, device="cuda"), torch.randn(T, ROPE // 2, device="cuda")
+        kw = dict(num_heads=H, head_dim=D, qk_head_dim=NOPE, rope_dim=ROPE, rope_style="deepseek", inverse=True,
+                  mode="mxfp8_images", columnwise=True, scale_mode="rceil")
+        nbytes = T * N * 6 + 2 * T * ROPE * 2
+        ref = rope_quant(dq, c, s, fast=False, **kw)
+        variants = [("general (gather)", dict(fast=False))]
+        for heads, nw, nope_w in [(1, 4, 128), (2, 4, 128), (4, 4, 128), (4, 8, 128), (1, 2, 64), (2, 2, 64),
+                                  (1, 2, 128), (1, 1, 32), (2, 1, 32), (1, 4, 64), (8, 4, 128)]:
+            variants.append((f"fast heads={heads} warps={nw} nope_w={nope_w}",
+                             dict(fast=True, HEADS=heads, num_warps=nw, NOPE_W=nope_w)))
+        variants.append(("fast default, emulated rounding", dict(fast=True, EMULATED=True)))
+        variants.append(("fast default", dict(fast=True)))
+        for name, kn in variants:
+            try:
+                out = rope_quant(dq, c, s, **kw, **kn)
+                ok = same(out, ref)
+                ms = bench(lambda: rope_quant(dq, c, s, **kw, **kn))  # noqa: B023
+                rows.append((T, "rope_bwd " + name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
+            except Exception as e:  # report and go on
+                rows.append((T, "rope_bwd " + name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
+        # RMSNorm + quantize (forward)
+        x = torch.randn(T, K, device="cuda").to(torch.bfloat16)
+        g = (torch.rand(K, device="cuda") + 0.5).to(torch.bfloat16)
+        nbytes = T * K * (2 + 2 + 1) + T * K / 32 + 4 * T
+        refs = {}
+        for bk, ck, nw in [(128, None, 8), (128, None, 4), (128, 512, 8), (128, 512, 4), (128, 256, 4), (128, 256, 2),
+                           (128, 384, 4), (64, 512, 2), (64, 256, 2), (64, 192, 1), (128, 768, 4), (256, 768, 8),
+                           (128, 128, 4), (128, 128, 2), (64, 128, 2)]:
+            kn = dict(BLOCK_K=bk, CHUNK_K=ck, num_warps=nw)
+            name = f"rmsnorm_quant block_k={bk} chunk_k={ck or K} warps={nw}"
+            try:
+                out = rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil", **kn)
+                ok = same(out, refs.setdefault(bk, out))
+                ms = bench(lambda: rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil", **kn))  # noqa: B023
+                rows.append((T, name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
+            except Exception as e:
+                rows.append((T, name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
+        out = rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil", EMULATED=True)
+        ms = bench(lambda: rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil", EMULATED=True))  # noqa: B023
+        rows.append((T, "rmsnorm_quant default, emulated rounding", "ok" if same(out, refs[128]) else "MISMATCH", ms,
+                     nbytes / ms / 1e6))
+        # columnwise xn -> bf16 image (backward)
+        cd, cs = quantize_columnwise(torch.randn(T, K, device="cuda"))
+        img = dequantize_columnwise_bf16(cd, cs)
+        ok = same((img,), (dequantize_columnwise(cd, cs, torch.bfloat16),))
+        nbytes = T * K * 3 + T * K / 32
+        ms = bench(lambda: dequantize_columnwise_bf16(cd, cs))  # noqa: B023
+        rows.append((T, "xn columnwise -> bf16 image (triton)", "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
+        ms = bench(lambda: dequantize_columnwise(cd, cs, torch.bfloat16))  # noqa: B023
+        rows.append((T, "xn columnwise -> bf16 image (torch ops)", "", ms, nbytes / ms / 1e6))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"{'T':>6}  {'kernel':<52}{'check':<10}{'ms':>8}{'GB/s':>8}{'of copy':>8}")
+    copy = {}
+    for T, name, chk, ms, gbs in rows:
+        if name == "device copy":
+            copy[T] = gbs
+        print(f"{T:>6}  {name:<52}{chk:<10}{ms:>8.3f}{gbs:>8.0f}{gbs / copy[T]:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
