@@ -44,6 +44,12 @@ def rows(T: int) -> list[tuple[str, float, float]]:
     g = torch.rand(K, device=dev) + 0.5
     out.append(("RMSNorm + xn quant (fwd)", T * K * (2 + 2 + 1) + T * K / 32 + 4 * T,
                 _bench(lambda: rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil"))))
+    from .kernels.mxfp8_quant import dequantize_columnwise_bf16
+    from .reference.mxfp8 import quantize_columnwise
+
+    xcd, xcs = quantize_columnwise(torch.randn(T, K, device=dev))
+    out.append(("xn columnwise -> bf16 image (bwd)", T * K * (1 + 2) + T * K / 32,
+                _bench(lambda: dequantize_columnwise_bf16(xcd, xcs))))
     dxn = torch.randn(T, K, device=dev)
     rs = torch.rand(T, device=dev) + 0.5
     out.append(("RMSNorm backward", T * K * (4 + 2 + 2) + 4 * T,

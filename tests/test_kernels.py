@@ -29,11 +29,12 @@ GEOMS = [  # (H, nope, rope, D)
 @pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
 @pytest.mark.parametrize("zc", [False, True])
 @pytest.mark.parametrize("T", [1, 33, 64])
-def test_rmsnorm_quant(precision, zc, T):
+@pytest.mark.parametrize("split", [True, False], ids=["rsigma-kernel", "one-kernel"])
+def test_rmsnorm_quant(precision, zc, T, split):
     K = 96
     x = (torch.randn(T, K) * 3).to(torch.bfloat16).to(DEVICE)
     w = torch.randn(K, device=DEVICE)
-    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, zc, precision, "rceil")
+    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, zc, precision, "rceil", SPLIT=split)
     _, rs_ref = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
     assert_rel_err(rs, rs_ref, 1e-6, "rsigma")
     # same rsigma -> the quantized bytes must be identical to the reference (no tolerance)

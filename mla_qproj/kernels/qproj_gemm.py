@@ -76,10 +76,10 @@ def fused_gemm_supported(cfg: QProjConfig) -> bool:
 
 def tma_store_supported(cfg: QProjConfig) -> bool:
     """Output halves are boxes of the [T, H, D] output: P % 128 == 0, no trailing pass-through, 128 % (R/2) == 0,
-    rows of >= 16 bytes (TMA), not the gptj MXFP8 layout (its halves interleave inside MX blocks)."""
+    rows of >= 16 bytes (TMA); deepseek / neox only (gptj interleaves the two halves in the output)."""
     P, R, D, RH = cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_dim // 2
     elem = 1 if cfg.output_format == "mxfp8" else 2
-    return (fused_gemm_supported(cfg) and not _paired(cfg) and P % HALF_N == 0 and D == P + R
+    return (fused_gemm_supported(cfg) and cfg.rope_style != "gptj" and P % HALF_N == 0 and D == P + R
             and HALF_N % RH == 0 and RH * elem >= 16 and (D * elem) % 16 == 0)
 
 
@@ -520,11 +520,15 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     # a flattened persistent loop beats the plain one (1.95 vs 2.01 ms); broadcasting the [BLOCK_M, R/2] pair
     # table beats gathering [BLOCK_M, 128] (which spills: 3.3 ms); the hardware E4M3 cast and max.f32 beat the
     # emulated rounding (2.34 ms) with identical bytes. GEMM alone (EPILOGUE=False): 1.64 ms.
+    # 2026-11-30 (scripts/gemm_probe.py --variants tma): storing the outputs through tensor descriptors (TMA_STORE)
+    # 1.93 vs 2.07 ms (MXFP8 rowwise), 1.86 vs 1.94 ms (bf16, unflattened loop), 2.68 vs 2.70 ms (row + col).
     knobs = dict(TWO_DOTS=False, ROPE_BCAST=HALF_N % RH == 0 and (RH & (RH - 1)) == 0,
                  EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True, TMA_STORE=False)
+                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg))
     conf.update(knobs)
     conf.update(overrides)
+    if conf["TMA_STORE"] and cfg.output_format == "bf16" and "FLATTEN" not in overrides:
+        conf["FLATTEN"] = False  # Triton 3.6's loop flattening rejects the bf16 descriptor stores
     if not conf["EPILOGUE"]:  # Triton 3.6's loop-fusion pass rejects the flattened loop without the epilogue
         conf["FLATTEN"] = False
     nt_pass, nt_rope, _ = fused_layout(cfg)

@@ -1,7 +1,8 @@
-"""RMSNorm forward fused with the GEMM-input quantization (SPEC §1.1-1.2): one program per 32 tokens reads x
-twice from L2 (sum of squares, then normalize), and writes rsigma, the exact bf16 image of the rowwise
-MXFP8 xn (the forward GEMM's A operand) and the columnwise MXFP8 xn (saved for wgrad). xn is never rounded
-to bf16 before quantization. precision='bf16' writes xn rounded once to bf16 instead."""
+"""RMSNorm forward fused with the GEMM-input quantization (SPEC §1.1-1.2): rsigma per token, then per [32 tokens,
+BLOCK_K] tile xn = x * rsigma * g in fp32 -> the exact bf16 image of the rowwise MXFP8 xn (the forward GEMM's A
+operand) and the columnwise MXFP8 xn (saved for wgrad). xn is never rounded to bf16 before quantization;
+precision='bf16' writes xn rounded once to bf16 instead. Default launch (SPLIT): a small rsigma kernel, then one
+tile per program; SPLIT=False computes rsigma inside each program (x read twice, from L2 the second time)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _rmsnorm_quant_fwd_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, a_ptr, col_data_ptr, col_scale_ptr,
     T, eps, K: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, PRECISION: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK_K: tl.constexpr, EMULATED: tl.constexpr,
+    CHUNK_K: tl.constexpr, EMULATED: tl.constexpr, RSIGMA_GIVEN: tl.constexpr,
 ):
     """Program (32 tokens, column chunk): rsigma = 1/sqrt(mean(x^2) + eps) over the whole row (every chunk's
     program computes it the same way; chunk 0 stores it), then for the chunk's columns xn = x * rsigma * g (fp32)
@@ -28,15 +29,18 @@ def _rmsnorm_quant_fwd_kernel(
     i_c = tl.program_id(1)
     o_t = i_t * 32 + tl.arange(0, 32)
     m_t = o_t < T
-    b_ss = tl.zeros([32, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m = m_t[:, None] & (o_k < K)[None, :]
-        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_ss += b_x * b_x
-    # correctly rounded sqrt and division (tl.rsqrt is approximate on the GPU)
-    b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))  # [32]
-    tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t & (i_c == 0))
+    if RSIGMA_GIVEN:  # computed by _rsigma_kernel
+        b_rsigma = tl.load(rsigma_ptr + o_t, mask=m_t, other=1.0)
+    else:
+        b_ss = tl.zeros([32, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m = m_t[:, None] & (o_k < K)[None, :]
+            b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+            b_ss += b_x * b_x
+        # correctly rounded sqrt and division (tl.rsqrt is approximate on the GPU)
+        b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))  # [32]
+        tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t & (i_c == 0))
     NB: tl.constexpr = BLOCK_K // 32
     for kk in range(0, CHUNK_K, BLOCK_K):  # constexpr bounds (the interpreter's range takes no tensors)
         o_k = i_c * CHUNK_K + kk + tl.arange(0, BLOCK_K)
@@ -64,13 +68,31 @@ def _rmsnorm_quant_fwd_kernel(
             tl.store(p_a, to_bf16(b_xn, EMULATED), mask=m)
 
 
+@triton.jit
+def _rsigma_kernel(x_ptr, stride_x, rsigma_ptr, T, eps, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rsigma = 1/sqrt(mean(x^2) + eps) for ROWS tokens per program (the SPLIT launch's first kernel)."""
+    o_t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    m_t = o_t < T
+    b_ss = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_ss += b_x * b_x
+    b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))
+    tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)
+
+
 def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
     """Launch knobs (defaults measured on an H200, see BENCHMARKS.md); knobs override (benchmarks, tests)."""
     block_k = 128 if K >= 128 else 64 if K >= 64 else 32
-    conf = dict(BLOCK_K=block_k, CHUNK_K=None, num_warps=8, EMULATED=interpreter_enabled() or device.type != "cuda")
+    # SPLIT: rsigma by its own kernel (ROWS tokens per program), then one [32, BLOCK_K] tile per program: no serial
+    # loops in the quantize kernel (H200, 2026-11-30: the fused one-program-per-32-tokens loop is latency-bound)
+    conf = dict(BLOCK_K=block_k, CHUNK_K=None, num_warps=4, SPLIT=True, ROWS=4, RS_BLOCK_K=512, RS_WARPS=4,
+                EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
     if conf["CHUNK_K"] is None:
-        conf["CHUNK_K"] = K
+        conf["CHUNK_K"] = conf["BLOCK_K"] if conf["SPLIT"] else K
     if conf["CHUNK_K"] < K and conf["CHUNK_K"] % conf["BLOCK_K"]:
         raise ValueError(f"CHUNK_K ({conf['CHUNK_K']}) must be a multiple of BLOCK_K ({conf['BLOCK_K']})")
     return conf
@@ -90,9 +112,13 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     if T == 0:
         return rsigma, a, cd, cs
     conf = _launch_conf(T, K, x2d.device, **knobs)
+    split, rows, rs_block_k, rs_warps = (conf.pop(k) for k in ("SPLIT", "ROWS", "RS_BLOCK_K", "RS_WARPS"))
+    if split:
+        _rsigma_kernel[(triton.cdiv(T, rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
+                                                  K=K, ROWS=rows, BLOCK_K=rs_block_k, num_warps=rs_warps)
     _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32), triton.cdiv(K, conf["CHUNK_K"]))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd, col_scale_ptr=cs, T=T, K=K, eps=eps,
-        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, **conf,
+        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, RSIGMA_GIVEN=split, **conf,
     )
     return rsigma, a, cd, cs

@@ -142,13 +142,16 @@ def _rope_quant_fast_kernel(
     H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
     STYLE: tl.constexpr, INVERSE: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
     SCALE_MODE: tl.constexpr, HEADS: tl.constexpr, NOPE_W: tl.constexpr, EMULATED: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
     """One program per (32 tokens, HEADS heads). Pairs (x1, x2) -> forward (x1 c - x2 s, x2 c + x1 s), inverse
     (x1 c + x2 s, x2 c - x1 s), each product rounded before the sum (launched with FMA contraction off), the
     reference's operation order. Interleaved layouts hold pair i at (2i, 2i + 1), halves at (i, R/2 + i):
     deepseek forward reads interleaved and writes halves (its inverse the opposite), neox is halves both ways,
     gptj interleaved both ways."""
-    i_t = tl.program_id(0).to(tl.int64)
+    # HEAD_MAJOR: program_id(0) walks the head groups, so programs running side by side cover whole rows
+    i_t = tl.program_id(1 if HEAD_MAJOR else 0).to(tl.int64)
+    i_g = tl.program_id(0 if HEAD_MAJOR else 1).to(tl.int64)
     HALF: tl.constexpr = R // 2
     N: tl.constexpr = H * D
     IN_IL: tl.constexpr = (STYLE == "gptj") or (STYLE == "deepseek" and not INVERSE)
@@ -157,7 +160,7 @@ def _rope_quant_fast_kernel(
     m_t = o_t < T
     o_32 = tl.arange(0, 32)
     for hh in tl.static_range(HEADS):
-        i_h = tl.program_id(1).to(tl.int64) * HEADS + hh
+        i_h = i_g * HEADS + hh
         p_y = y_ptr + o_t[:, None] * stride_y + i_h * D  # [32, 1] row starts of this head
         # pass-through columns: [32, NOPE_W] tiles; rows past T load as NaN (ignored by every amax, not stored)
         for j in tl.static_range(NOPE // NOPE_W):
@@ -210,9 +213,10 @@ def fast_path_supported(qk_head_dim: int, rope_dim: int, head_dim: int) -> bool:
 
 def _fast_launch(num_heads: int, qk_head_dim: int, device: torch.device, **knobs) -> dict:
     """Launch knobs of the fast kernel (defaults measured on an H200, see BENCHMARKS.md); knobs override."""
-    heads = knobs.pop("HEADS", None) or next(h for h in (4, 2, 1) if num_heads % h == 0)
     nope_w = knobs.pop("NOPE_W", None) or next((w for w in (128, 64, 32) if qk_head_dim % w == 0), 32)
-    conf = dict(HEADS=heads, NOPE_W=nope_w, num_warps=4,
+    # H200, T = 16384, backward operands (scripts/kernel_sweep.py, 2026-11-30): one head per program and 2 warps;
+    # several heads per program ran 1.2-4x slower (registers), the emulated rounding 6x slower
+    conf = dict(HEADS=1, NOPE_W=nope_w, num_warps=2, HEAD_MAJOR=True,
                 EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
     return conf
@@ -244,7 +248,12 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
         fast = fast_path_supported(qk_head_dim, rope_dim, head_dim)
     if T > 0 and fast:
         conf = _fast_launch(num_heads, qk_head_dim, dev, **knobs)
-        _rope_quant_fast_kernel[(triton.cdiv(T, 32), num_heads // conf["HEADS"])](
+        if num_heads % conf["HEADS"]:
+            raise ValueError(f"HEADS ({conf['HEADS']}) must divide num_heads ({num_heads})")
+        grid = (triton.cdiv(T, 32), num_heads // conf["HEADS"])
+        if grid[0] > 65535:  # a CUDA grid's y extent: keep the token blocks on x
+            conf["HEAD_MAJOR"] = False
+        _rope_quant_fast_kernel[grid[::-1] if conf["HEAD_MAJOR"] else grid](
             y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h,
             out_ptr=out, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs, T=T,
             H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style, INVERSE=inverse,
