@@ -189,8 +189,7 @@ def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h
     groups = head_groups(T, cfg)
     ng = N // groups
     xn_img = dequantize_columnwise_bf16_op(*xn_saved) if cfg.precision == "mxfp8" else xn_saved
-    dw = None if main_grad is not None else torch.empty(N, cfg.q_lora_rank, dtype=torch.float32,
-                                                          device=dq2d.device)
+    dw = None
     dxn = None
     for g in range(groups):
         cols = slice(g * ng, (g + 1) * ng)
@@ -203,6 +202,8 @@ def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h
         if main_grad is not None:
             _mm_accumulate(main_grad[cols], dy_col.t(), xn_img)
         else:
+            if dw is None:  # allocated once dy_row is freed: not part of the peak
+                dw = torch.empty(N, cfg.q_lora_rank, dtype=torch.float32, device=dq2d.device)
             _mm_into(dw[cols], dy_col.t(), xn_img)
         del dy_col
     dx, dg = rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, cfg.zero_centered_gamma)

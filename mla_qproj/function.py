@@ -15,30 +15,38 @@ from ._config import QProjConfig
 from .tensor import MXFP8Tensor
 
 
+def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool):
+    """The forward math and the query object: (q, x2d, rsigma, xn_saved). Shared by the autograd Function and the
+    module's no-grad call (which skips the Function's bookkeeping: host time at small T)."""
+    lead = x.shape[:-1]
+    # the kernels need a unit inner stride; a [b, s] / [s, b] layout is fine, other strides are copied here
+    x2d = x.reshape(-1, cfg.q_lora_rank)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    outs, rsigma, xn_saved = backend.forward(x2d, norm_weight, pw, cos_h, sin_h, cfg, use_triton)
+    H, D = cfg.num_heads, cfg.q_head_dim
+    qshape = lead + (H, D)
+    if cfg.output_format == "bf16":
+        return outs[0].view(qshape), x2d, rsigma, xn_saved
+    rd, rs, cd, cs = outs
+    q = MXFP8Tensor(
+        shape=qshape, dtype=x.dtype, scale_mode=cfg.scale_mode,
+        rowwise_data=rd.view(qshape), rowwise_scale=rs.view(lead + (H, D // 32)),
+        columnwise_data=None if cd is None else cd.view(qshape),
+        columnwise_scale=None if cs is None else cs.view(-1, H, D),
+    )
+    return q, x2d, rsigma, xn_saved
+
+
 class _FusedMLAQUpProjFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool):
-        lead = x.shape[:-1]
-        # the kernels need a unit inner stride; a [b, s] / [s, b] layout is fine, other strides are copied here
-        x2d = x.reshape(-1, cfg.q_lora_rank)
-        if x2d.stride(-1) != 1:
-            x2d = x2d.contiguous()
-        outs, rsigma, xn_saved = backend.forward(x2d, norm_weight, pw, cos_h, sin_h, cfg, use_triton)
+        q, x2d, rsigma, xn_saved = forward_query(x, norm_weight, cos_h, sin_h, pw, cfg, use_triton)
         xn_t = tuple(xn_saved) if isinstance(xn_saved, tuple) else (xn_saved,)
         ctx.save_for_backward(x2d, rsigma, norm_weight, cos_h, sin_h, *xn_t)
         ctx.pw, ctx.cfg, ctx.use_triton, ctx.x_shape = pw, cfg, use_triton, x.shape
         ctx.weight = weight  # a parameter (no copy): used for main_grad and dtype in backward
-        H, D = cfg.num_heads, cfg.q_head_dim
-        qshape = lead + (H, D)
-        if cfg.output_format == "bf16":
-            return outs[0].view(qshape)
-        rd, rs, cd, cs = outs
-        return MXFP8Tensor(
-            shape=qshape, dtype=x.dtype, scale_mode=cfg.scale_mode,
-            rowwise_data=rd.view(qshape), rowwise_scale=rs.view(lead + (H, D // 32)),
-            columnwise_data=None if cd is None else cd.view(qshape),
-            columnwise_scale=None if cs is None else cs.view(-1, H, D),
-        )
+        return q
 
     @staticmethod
     def backward(ctx, dq):

@@ -11,7 +11,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import backend as _backend
 from ._config import BACKENDS, QProjConfig, validate_choice
-from .function import _FusedMLAQUpProjFunction
+from .function import _FusedMLAQUpProjFunction, forward_query
 from .reference.rope import half_table, normalize_rope_scaling, rope_inv_freq
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -227,5 +227,9 @@ class FusedMLAQUpProjection(nn.Module):
         cos_h, sin_h = self._pair_tables(x, cos, sin, position_ids)
         use_triton = _backend.resolve_backend(self.backend, x.device)
         pw = self._prepared_weight(use_triton)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.norm_weight.requires_grad
+                                                  or self.weight.requires_grad)
+        if not needs_grad and not torch.compiler.is_compiling():  # inference: no autograd bookkeeping
+            return forward_query(x, self.norm_weight, cos_h, sin_h, pw, self.cfg, use_triton)[0]
         return _FusedMLAQUpProjFunction.apply(x, self.norm_weight, self.weight, cos_h, sin_h, pw, self.cfg,
                                               use_triton)

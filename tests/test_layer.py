@@ -441,3 +441,21 @@ def test_backward_head_groups(precision, use_main_grad, monkeypatch):
     assert torch.equal(g4["dweight"].float(), g1["dweight"].float()), "dW row blocks must not depend on grouping"
     assert_rel_err(g4["dx"], g1["dx"], 1e-5, "dx grouped vs ungrouped")
     assert_rel_err(g4["dnorm_weight"], g1["dnorm_weight"], 1e-5, "dnorm_weight grouped vs ungrouped")
+
+
+@pytest.mark.parametrize("output_format", ["mxfp8", "bf16"])
+def test_no_grad_call_matches_autograd_call(output_format):
+    """Inference calls skip the autograd Function (host time); the query must be the same bytes."""
+    layer = make_layer(64, 2, 32, 32, output_format=output_format)
+    x = torch.randn(33, 64, device=DEV)
+    cos, sin = hf_tables(torch.arange(33, device=DEV), 32)
+    q1 = layer(x, cos, sin)
+    assert q1.requires_grad
+    with torch.no_grad():
+        q0 = layer(x, cos, sin)
+    assert not q0.requires_grad
+    if output_format == "bf16":
+        assert torch.equal(q0, q1.detach())
+    else:
+        for f in ("rowwise_data", "rowwise_scale"):
+            assert torch.equal(getattr(q0, f).view(torch.uint8), getattr(q1, f).view(torch.uint8)), f

@@ -41,6 +41,9 @@ from .._config import QProjConfig, interpreter_enabled
 from ._common import e8m0_from_amax, nan_ignoring_amax, quant_multiplier, quantize_to_e4m3, round_to_bf16
 
 BLOCK_N = 256  # rows of W' per tile (two halves); fixed because `prepare_fused_weight` lays W' out per tile
+# TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
+# (encoded on the host at every launch) cost more than the faster stores save
+TMA_STORE_MIN_T = 8192
 HALF_N = BLOCK_N // 2
 _MX = 32
 
@@ -524,7 +527,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     # 1.93 vs 2.07 ms (MXFP8 rowwise), 1.86 vs 1.94 ms (bf16, unflattened loop), 2.68 vs 2.70 ms (row + col).
     knobs = dict(TWO_DOTS=False, ROPE_BCAST=HALF_N % RH == 0 and (RH & (RH - 1)) == 0,
                  EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg))
+                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg) and T >= TMA_STORE_MIN_T)
     conf.update(knobs)
     conf.update(overrides)
     if conf["TMA_STORE"] and cfg.output_format == "bf16" and "FLATTEN" not in overrides:

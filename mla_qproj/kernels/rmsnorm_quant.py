@@ -88,7 +88,8 @@ def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
     block_k = 128 if K >= 128 else 64 if K >= 64 else 32
     # SPLIT: rsigma by its own kernel (ROWS tokens per program), then one [32, BLOCK_K] tile per program: no serial
     # loops in the quantize kernel (H200, 2026-11-30: the fused one-program-per-32-tokens loop is latency-bound)
-    conf = dict(BLOCK_K=block_k, CHUNK_K=None, num_warps=4, SPLIT=True, ROWS=4, RS_BLOCK_K=512, RS_WARPS=4,
+    # Below 8192 tokens the forward is host-bound: one launch (SPLIT=False) beats two faster kernels.
+    conf = dict(BLOCK_K=block_k, CHUNK_K=None, num_warps=4, SPLIT=T >= 8192, ROWS=4, RS_BLOCK_K=512, RS_WARPS=4,
                 EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
     if conf["CHUNK_K"] is None:
