@@ -59,7 +59,7 @@ def main() -> None:
     st = stats(_rope_quant_kernel, rq_sig, base, al, num_warps=4, enable_fp_fusion=False)
     report("rope_quant general (1 head)", st)
     for heads, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (2, 2), (1, 1)):
-        cx = dict(base, HEADS=heads, NOPE_W=128, EMULATED=False)
+        cx = dict(base, HEADS=heads, NOPE_W=128, EMULATED=False, HEAD_MAJOR=True)
         st = stats(_rope_quant_fast_kernel, rq_sig, cx, al, num_warps=nw, enable_fp_fusion=False)
         # warp-instructions per [32 x 32] element tile: total * warps / (heads * 6 tiles)
         report(f"rope_quant fast heads={heads} warps={nw}", st)

@@ -1,14 +1,17 @@
-"""RoPE (forward or inverse) fused with quantization, one program per (32 tokens, head) — the general path.
+"""RoPE (forward or inverse) fused with quantization, one program per (32 tokens, head).
 
 Forward (SPEC §1.4-1.5): y [T, H*D] fp32 from the GEMM -> RoPE on each head's rope columns -> MXFP8 rowwise
-(32-blocks along D) [+ columnwise, 32-blocks along T] or bf16.
+(32-blocks along D) [+ columnwise, 32-blocks along T] or bf16 (the general forward path; the fused GEMM's
+epilogue does this on sm_90).
 Inverse (SPEC backward 1-2): dq [T, H*D] -> transpose rotation -> the exact bf16 images of the MXFP8 dgrad
 operand (rowwise) and wgrad operand (columnwise), or the bf16 / fp32 gradient.
-Every access is bounded to its head: partner columns come from `rope_sources`, which never leaves
-[qk_head_dim, qk_head_dim + R) of the same head, and columns >= D are masked.
 
-The head is walked in [32 tokens, 32 columns] tiles (one MX block each way): small register tiles (no spills),
-no reshapes, and the pair gathers are only emitted for tiles that overlap the rope columns.
+Two kernels, the same bytes (tests/test_kernels.py compares them on special values):
+- `_rope_quant_fast_kernel` (default where `fast_path_supported`): contiguous [32, 32] / [32, 64] tiles, pairs
+  split/joined in registers, hardware E4M3 / bf16 conversions on the GPU;
+- `_rope_quant_kernel` (any geometry): [32 tokens, 32 columns] tiles whose rope columns gather their partners through
+  `rope_sources`, which never leaves [qk_head_dim, qk_head_dim + R) of the same head; columns >= D are masked.
+Both are bounded to their head.
 """
 
 from __future__ import annotations
