@@ -64,6 +64,8 @@ def main() -> None:
                                       (True, 1, 1, 32), (True, 1, 2, 64), (True, 2, 4, 128), (True, 1, 8, 128)]:
             variants.append((f"fast head_major={int(hm)} heads={heads} warps={nw} nope_w={nope_w}",
                              dict(fast=True, HEAD_MAJOR=hm, HEADS=heads, num_warps=nw, NOPE_W=nope_w)))
+        for nw in (2, 4):  # codes that only become images: no NaN-sign fix (fewer instructions and registers)
+            variants.append((f"fast image_nan_sign=0 warps={nw}", dict(fast=True, IMAGE_NAN_SIGN=False, num_warps=nw)))
         variants.append(("fast default", dict(fast=True)))
         for name, kn in variants:
             try:

@@ -105,6 +105,9 @@ def _same_bytes_or_both_nan(a: torch.Tensor, b: torch.Tensor, label: str) -> Non
 def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
     """The contiguous-tile kernel against the gather kernel (both checked against the reference above) on special
     values: NaN of both signs, inf, zero rows/blocks, magnitudes around the E4M3 and E8M0 edges, a partial T."""
+    compiled = DEVICE.type == "cuda"
+    if compiled and scale_mode == "floor":  # up to 8 kernel compiles per case on the GPU; the interpreter runs all
+        pytest.skip("compiled lane: rceil only (floor runs in the interpreter lane; E8M0 rules: test_mxfp8_quant)")
     H, nope, R, D = 2, 32, 128, 192  # two rope chunks, a trailing pass-through block
     T = 45
     g = torch.Generator().manual_seed(7)
@@ -117,11 +120,16 @@ def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
     c, s = torch.randn(T, R // 2, generator=g).to(DEVICE), torch.randn(T, R // 2, generator=g).to(DEVICE)
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=inverse,
               scale_mode=scale_mode)
-    for mode, col in (("mxfp8", True), ("mxfp8_images", True), ("bf16", False), ("fp32", False)):
+    modes = (("mxfp8", True), ("mxfp8_images", True)) + (() if compiled else (("bf16", False), ("fp32", False)))
+    for mode, col in modes:
         fast = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, **kw)
         slow = rope_quant(y, c, s, mode=mode, columnwise=col, fast=False, **kw)
         for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
             _same_bytes_or_both_nan(a, b, f"{mode} output {i}")
+        if mode == "mxfp8_images":  # the GPU-only shortcut for image codes keeps NaN-ness (checked compiled)
+            lean = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, IMAGE_NAN_SIGN=False, **kw)
+            for i, (a, b) in enumerate(zip(lean, slow, strict=True)):
+                _same_bytes_or_both_nan(a, b, f"{mode} output {i} (IMAGE_NAN_SIGN=False)")
 
 
 @pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])

@@ -56,12 +56,12 @@ def _rmsnorm_quant_fwd_kernel(
         if PRECISION == "mxfp8":
             b_xr = tl.reshape(b_xn, (32, NB, 32))
             b_byte = e8m0_from_amax(amax_nan_ignoring(b_xr, 2, EMULATED), SCALE_MODE)  # [32, NB]
-            b_q = dequantize_e4m3(quantize_e4m3(b_xr, b_byte[:, :, None], EMULATED), b_byte[:, :, None], b_xr,
-                                  EMULATED)
+            b_q = dequantize_e4m3(quantize_e4m3(b_xr, b_byte[:, :, None], EMULATED, True), b_byte[:, :, None],
+                                  b_xr, EMULATED)
             tl.store(p_a, tl.reshape(b_q, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
             b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
-            tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED),
-                     mask=m)
+            b_cq = quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED, True)
+            tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m)
             tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
         else:
             tl.static_assert(PRECISION == "bf16")
