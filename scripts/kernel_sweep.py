@@ -79,8 +79,7 @@ def main() -> None:
         x = torch.randn(T, K, device="cuda").to(torch.bfloat16)
         g = (torch.rand(K, device="cuda") + 0.5).to(torch.bfloat16)
         nbytes = T * K * (2 + 2 + 1) + T * K / 32 + 4 * T
-        variants = [dict(SPLIT=False, BLOCK_K=128, CHUNK_K=None, num_warps=4),
-                    dict(SPLIT=False, BLOCK_K=64, CHUNK_K=256, num_warps=2)]
+        variants = [dict(SPLIT=False, BLOCK_K=128, num_warps=4), dict(SPLIT=False, BLOCK_K=64, num_warps=2)]
         for bk, nw, nrows, rbk, rw in [(128, 4, 4, 512, 4), (128, 2, 4, 512, 4), (64, 2, 4, 512, 4),
                                       (64, 1, 4, 512, 4), (256, 4, 4, 512, 4), (256, 8, 4, 512, 4),
                                       (128, 4, 8, 512, 4), (128, 4, 2, 512, 2), (128, 4, 1, 2048, 4),

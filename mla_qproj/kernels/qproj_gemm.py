@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._config import QProjConfig, interpreter_enabled
-from ._common import e8m0_from_amax, nan_ignoring_amax, quant_multiplier, quantize_to_e4m3, round_to_bf16
+from ._common import amax_nan_ignoring, e8m0_from_amax, quantize_e4m3, to_bf16
 
 BLOCK_N = 256  # rows of W' per tile (two halves); fixed because `prepare_fused_weight` lays W' out per tile
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
@@ -195,39 +195,6 @@ def _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, GS: tl.constexpr, HALF: 
 
 
 @triton.jit
-def _amax(b_x, axis: tl.constexpr, EMULATED: tl.constexpr):
-    """max |x| along axis, ignoring NaN (NaN only when all are NaN). EMULATED: written out with selects (the
-    interpreter's max propagates NaN); on the GPU tl.max lowers to max.f32, which already ignores NaN."""
-    if EMULATED:
-        m = nan_ignoring_amax(b_x, axis)
-    else:
-        m = tl.max(tl.abs(b_x), axis=axis)
-    return m
-
-
-@triton.jit
-def _quant(b_x, b_byte, EMULATED: tl.constexpr):
-    """x·r on the E4M3 grid. EMULATED: explicit fp32 RNE rounding first (SPEC §2, required by the interpreter);
-    else the hardware cvt.rn.satfinite (RNE, saturating to ±448, NaN kept: the same bytes on sm_90)."""
-    if EMULATED:
-        q = quantize_to_e4m3(b_x, b_byte)
-    else:
-        q = (b_x * quant_multiplier(b_byte)).to(tl.float8e4nv)
-    return q
-
-
-@triton.jit
-def _to_bf16(b_x, EMULATED: tl.constexpr):
-    """fp32 -> bf16, round-to-nearest-even. EMULATED: round the fp32 bits first (the interpreter's cast
-    truncates); the GPU's cvt.rn.bf16.f32 gives the same bytes."""
-    if EMULATED:
-        b_y = round_to_bf16(b_x)
-    else:
-        b_y = b_x.to(tl.bfloat16)
-    return b_y
-
-
-@triton.jit
 def _tma_store_half(desc_pass, desc_rope, b_v, i_m, i_n, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
                     HB: tl.constexpr, P: tl.constexpr, R: tl.constexpr, NT_PASS: tl.constexpr):
     """Store one half b_v [BLOCK_M, HB] (output dtype) through a tensor descriptor of the [T, H, D] output (TMA on
@@ -258,15 +225,15 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
     o_y = o_t[:, None] * N + o_n[None, :]  # [BLOCK_M, HB] int64
     if OUT_FORMAT == "bf16":
         if TMA_STORE:
-            _tma_store_half(yd_pass, yd_rope, _to_bf16(b_y, EMULATED), i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
+            _tma_store_half(yd_pass, yd_rope, to_bf16(b_y, EMULATED), i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
         else:
-            tl.store(y_ptr + o_y, _to_bf16(b_y, EMULATED), mask=m)
+            tl.store(y_ptr + o_y, to_bf16(b_y, EMULATED), mask=m)
     else:
         tl.static_assert(OUT_FORMAT == "mxfp8")
         if not PAIRED:
             b_y3 = tl.reshape(b_y, [BLOCK_M, HB // 32, 32])
-            b_byte = e8m0_from_amax(_amax(b_y3, 2, EMULATED), SCALE_MODE)  # [BLOCK_M, HB // 32]
-            b_q = tl.reshape(_quant(b_y3, b_byte[:, :, None], EMULATED), [BLOCK_M, HB])
+            b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)  # [BLOCK_M, HB // 32]
+            b_q = tl.reshape(quantize_e4m3(b_y3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
             if TMA_STORE:
                 _tma_store_half(yd_pass, yd_rope, b_q, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
@@ -276,8 +243,8 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
         if COLWISE:
             # rows past T become NaN: ignored by the amax, so a partial block's amax is over the rows that exist
             b_c3 = tl.reshape(tl.where(m_t[:, None], b_y, float("nan")), [BLOCK_M // 32, 32, HB])
-            b_cbyte = e8m0_from_amax(_amax(b_c3, 1, EMULATED), SCALE_MODE)  # [BLOCK_M // 32, HB]
-            b_cq = tl.reshape(_quant(b_c3, b_cbyte[:, None, :], EMULATED), [BLOCK_M, HB])
+            b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_c3, 1, EMULATED), SCALE_MODE)  # [BLOCK_M // 32, HB]
+            b_cq = tl.reshape(quantize_e4m3(b_c3, b_cbyte[:, None, :], EMULATED, False), [BLOCK_M, HB])
             if TMA_STORE:
                 _tma_store_half(cd_pass, cd_rope, b_cq, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
@@ -372,13 +339,14 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_
         N: tl.constexpr = H * D
         b_l3 = tl.reshape(b_lo, [BLOCK_M, HB // 16, 16])
         b_h3 = tl.reshape(b_hi, [BLOCK_M, HB // 16, 16])
-        b_ml, b_mh = _amax(b_l3, 2, EMULATED), _amax(b_h3, 2, EMULATED)  # [BLOCK_M, HB // 16] each
+        b_ml = amax_nan_ignoring(b_l3, 2, EMULATED)  # [BLOCK_M, HB // 16]
+        b_mh = amax_nan_ignoring(b_h3, 2, EMULATED)
         b_m = tl.where(b_ml != b_ml, b_mh, tl.where(b_mh != b_mh, b_ml, tl.maximum(b_ml, b_mh)))  # NaN-ignoring
         b_byte = e8m0_from_amax(b_m, SCALE_MODE)
         o_l, m_l, _ = _out_cols(i_n, tl.arange(0, HB), 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
         o_h, m_h, _ = _out_cols(i_n, tl.arange(0, HB), 1, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-        b_ql = tl.reshape(_quant(b_l3, b_byte[:, :, None], EMULATED), [BLOCK_M, HB])
-        b_qh = tl.reshape(_quant(b_h3, b_byte[:, :, None], EMULATED), [BLOCK_M, HB])
+        b_ql = tl.reshape(quantize_e4m3(b_l3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
+        b_qh = tl.reshape(quantize_e4m3(b_h3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
         tl.store(y_ptr + o_t[:, None] * N + o_l[None, :], b_ql, mask=m_t[:, None] & m_l[None, :])
         tl.store(y_ptr + o_t[:, None] * N + o_h[None, :], b_qh, mask=m_t[:, None] & m_h[None, :])
         _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 16, 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)

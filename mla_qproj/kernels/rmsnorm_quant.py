@@ -40,7 +40,7 @@ def _rmsnorm_quant_fwd_kernel(
             b_ss += b_x * b_x
         # correctly rounded sqrt and division (tl.rsqrt is approximate on the GPU)
         b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))  # [32]
-        tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t & (i_c == 0))
+        tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)  # one program per row block
     NB: tl.constexpr = BLOCK_K // 32
     for kk in range(0, CHUNK_K, BLOCK_K):  # constexpr bounds (the interpreter's range takes no tensors)
         o_k = i_c * CHUNK_K + kk + tl.arange(0, BLOCK_K)
@@ -89,13 +89,10 @@ def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
     # SPLIT: rsigma by its own kernel (ROWS tokens per program), then one [32, BLOCK_K] tile per program: no serial
     # loops in the quantize kernel (H200, 2026-11-30: the fused one-program-per-32-tokens loop is latency-bound)
     # Below 8192 tokens the forward is host-bound: one launch (SPLIT=False) beats two faster kernels.
-    conf = dict(BLOCK_K=block_k, CHUNK_K=None, num_warps=4, SPLIT=T >= 8192, ROWS=4, RS_BLOCK_K=512, RS_WARPS=4,
+    conf = dict(BLOCK_K=block_k, num_warps=4, SPLIT=T >= 8192, ROWS=4, RS_BLOCK_K=512, RS_WARPS=4,
                 EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
-    if conf["CHUNK_K"] is None:
-        conf["CHUNK_K"] = conf["BLOCK_K"] if conf["SPLIT"] else K
-    if conf["CHUNK_K"] < K and conf["CHUNK_K"] % conf["BLOCK_K"]:
-        raise ValueError(f"CHUNK_K ({conf['CHUNK_K']}) must be a multiple of BLOCK_K ({conf['BLOCK_K']})")
+    conf["CHUNK_K"] = conf["BLOCK_K"] if conf["SPLIT"] else K  # columns per program: one tile, or the whole row
     return conf
 
 

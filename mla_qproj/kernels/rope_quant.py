@@ -215,13 +215,13 @@ def fast_path_supported(qk_head_dim: int, rope_dim: int, head_dim: int) -> bool:
     return qk_head_dim % 32 == 0 and rope_dim > 0 and (rope_dim // 2) % 32 == 0 and tail >= 0 and tail % 32 == 0
 
 
-def _fast_launch(num_heads: int, qk_head_dim: int, device: torch.device, **knobs) -> dict:
+def _fast_launch(qk_head_dim: int, device: torch.device, **knobs) -> dict:
     """Launch knobs of the fast kernel (defaults measured on an H200, see BENCHMARKS.md); knobs override."""
     nope_w = knobs.pop("NOPE_W", None) or next((w for w in (128, 64, 32) if qk_head_dim % w == 0), 32)
     # H200, T = 16384, backward operands (scripts/kernel_sweep.py, 2026-11-30): one head per program and 2 warps;
     # several heads per program ran 1.2-4x slower (registers), the emulated rounding 6x slower
     # IMAGE_NAN_SIGN=False (mxfp8_images only): skip the NaN-sign fix of codes that only become bf16 images
-    # (~25 % fewer instructions per element by SASS count; not yet timed on the GPU, so off by default)
+    # (~30 % fewer instructions per element by SASS count; not yet timed on the GPU, so off by default)
     conf = dict(HEADS=1, NOPE_W=nope_w, num_warps=2, HEAD_MAJOR=True, IMAGE_NAN_SIGN=True,
                 EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
@@ -253,7 +253,7 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
     if fast is None:
         fast = fast_path_supported(qk_head_dim, rope_dim, head_dim)
     if T > 0 and fast:
-        conf = _fast_launch(num_heads, qk_head_dim, dev, **knobs)
+        conf = _fast_launch(qk_head_dim, dev, **knobs)
         if num_heads % conf["HEADS"]:
             raise ValueError(f"HEADS ({conf['HEADS']}) must divide num_heads ({num_heads})")
         grid = (triton.cdiv(T, 32), num_heads // conf["HEADS"])
