@@ -10,6 +10,7 @@ MXFP8 product up to the fp32 summation order:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -170,9 +171,44 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     out.copy_(_mm_fp32(a, b))
 
 
+@contextlib.contextmanager
+def _fp32_reductions():
+    """cuBLAS bf16-output GEMMs keep fp32 partial sums (split-K included): the only rounding is the final one to
+    bf16, as if the fp32 product were cast (torch's default allows reduced-precision split-K reductions)."""
+    m = torch.backends.cuda.matmul
+    old = m.allow_bf16_reduced_precision_reduction
+    if not old:
+        yield
+        return
+    try:
+        old_split_k = m.allow_bf16_reduced_precision_reduction_split_k
+    except AttributeError:  # older torch: one flag
+        old_split_k = None
+    m.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        m.allow_bf16_reduced_precision_reduction = old if old_split_k is None else (old, old_split_k)
+
+
+def _mm_into_dtype(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out (contiguous rows, any float dtype) = a @ b with fp32 accumulation and one final rounding to out's dtype.
+    bf16 on CUDA: cuBLAS writes bf16 directly (saves the fp32 [N, K] buffer and a cast pass); under torch.compile
+    the fp32 product is cast (the reduction flag is a Python-side global the compiled graph would not keep)."""
+    if out.dtype == torch.float32:
+        _mm_into(out, a, b)
+    elif (a.is_cuda and out.dtype == torch.bfloat16 and a.dtype == torch.bfloat16
+          and not torch.compiler.is_compiling()):
+        with _fp32_reductions():
+            torch.mm(a, b, out=out)
+    else:
+        out.copy_(_mm_fp32(a, b))
+
+
 def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig,
-             use_triton: bool, main_grad: torch.Tensor | None = None):
-    """Returns (dx, dnorm_weight, dW fp32 or None when accumulated into main_grad).
+             use_triton: bool, main_grad: torch.Tensor | None = None, dw_dtype: torch.dtype = torch.float32):
+    """Returns (dx, dnorm_weight, dW in dw_dtype (rounded once from the fp32 sum), or None when accumulated into
+    main_grad).
 
     Triton path, per head group g (columns C_g of N): dy_row, dy_col = inverse RoPE + quantize(dq[:, C_g]);
     dxn += dy_row @ W_bwd[C_g] (fp32); dW[C_g] = dy_col^T @ xn (or main_grad[C_g] += ...). With one group this is
@@ -182,7 +218,7 @@ def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h
         if main_grad is not None:
             main_grad.add_(dw)
             dw = None
-        return dx, dg, dw
+        return dx, dg, dw if dw is None else dw.to(dw_dtype)
     from .ops import dequantize_columnwise_bf16_op, rmsnorm_bwd_op
 
     T, N = dq2d.shape
@@ -203,8 +239,8 @@ def backward(dq2d, x2d, rsigma, xn_saved, norm_weight, pw: PreparedWeight, cos_h
             _mm_accumulate(main_grad[cols], dy_col.t(), xn_img)
         else:
             if dw is None:  # allocated once dy_row is freed: not part of the peak
-                dw = torch.empty(N, cfg.q_lora_rank, dtype=torch.float32, device=dq2d.device)
-            _mm_into(dw[cols], dy_col.t(), xn_img)
+                dw = torch.empty(N, cfg.q_lora_rank, dtype=dw_dtype, device=dq2d.device)
+            _mm_into_dtype(dw[cols], dy_col.t(), xn_img)
         del dy_col
     dx, dg = rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, cfg.zero_centered_gamma)
     return dx, dg, dw

@@ -61,11 +61,9 @@ class _FusedMLAQUpProjFunction(torch.autograd.Function):
         weight = ctx.weight
         main_grad = getattr(weight, "main_grad", None) if ctx.needs_input_grad[2] else None
         dx, dg, dw = backend.backward(dq2d, x2d, rsigma, xn_saved, norm_weight, ctx.pw, cos_h, sin_h, cfg,
-                                      ctx.use_triton, main_grad=main_grad)
+                                      ctx.use_triton, main_grad=main_grad, dw_dtype=weight.dtype)
         if dw is None:  # Megatron convention: accumulated into weight.main_grad
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
-        else:
-            dw = dw.to(weight.dtype)
         return (dx.view(ctx.x_shape), dg if ctx.needs_input_grad[1] else None,
                 dw if ctx.needs_input_grad[2] else None, None, None, None, None, None)

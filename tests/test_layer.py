@@ -459,3 +459,33 @@ def test_no_grad_call_matches_autograd_call(output_format):
     else:
         for f in ("rowwise_data", "rowwise_scale"):
             assert torch.equal(getattr(q0, f).view(torch.uint8), getattr(q1, f).view(torch.uint8)), f
+
+
+def check_dw_bf16_direct(N, T, K):
+    """dW for a bf16 weight is written by the GEMM in bf16: the fp32 sum rounded once, as the fp32 product cast to
+    bf16 (up to cuBLAS's fp32 summation order: at most one bf16 ulp apart); the reduction flag is restored."""
+    from mla_qproj import backend
+
+    a = torch.randn(T, N, device=DEV).to(torch.bfloat16).t()  # dy_col^T: a transposed view, as in backward
+    b = torch.randn(T, K, device=DEV).to(torch.bfloat16)
+    flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    out = torch.empty(N, K, device=DEV, dtype=torch.bfloat16)
+    backend._mm_into_dtype(out, a, b)
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == flag, "global flag not restored"
+    ref = backend._mm_fp32(a, b)
+    cast = ref.to(torch.bfloat16)
+    if DEV.type == "cpu":
+        assert torch.equal(out, cast)
+        return
+    ulp = (cast.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -126)
+    assert ((out.float() - ref).abs() <= ulp).all(), "bf16 dW more than one ulp from the fp32 product"
+    assert (out == cast).float().mean() > 0.99, "bf16 dW differs from the cast fp32 product in > 1 % of elements"
+
+
+def test_dw_bf16_direct():
+    check_dw_bf16_direct(96, 70, 64)
+
+
+@pytest.mark.gpu
+def test_dw_bf16_direct_gpu():
+    check_dw_bf16_direct(128 * 192, 4096, V3["K"])
