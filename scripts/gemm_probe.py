@@ -106,7 +106,7 @@ def main():
     global _log
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma"],
+    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma", "occ2"],
                     help="launch-knob variants at the largest T (short: GEMM-only ceiling and num_stages=4)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
@@ -152,6 +152,16 @@ def main():
             variants = [("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", dict(TMA_STORE=True)),
                         ("mxfp8 row", dict(TMA_STORE=True, num_stages=4)), ("mxfp8 row+col", dict(TMA_STORE=True)),
                         ("bf16", dict(TMA_STORE=True, FLATTEN=False)), ("mxfp8 row", dict(TMA_STORE=True, GROUP_M=16))]
+        if args.variants == "occ2":  # [64, 256] tiles, one warpgroup, two programs per SM: one's epilogue can run
+            # while the other's MMAs do (the overlap a single [128, 256] program per SM cannot have on sm_90)
+            n2 = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+            o2 = dict(BLOCK_M=64, num_warps=4, NUM_SMS=n2, TMA_STORE=True)
+            variants = [("mxfp8 row", dict(TMA_STORE=True)), ("mxfp8 row", dict(TMA_STORE=True, EPILOGUE=False)),
+                        ("mxfp8 row", dict(o2, num_stages=2)), ("mxfp8 row", dict(o2, num_stages=2, EPILOGUE=False)),
+                        ("mxfp8 row", dict(o2, num_stages=3, BLOCK_K=32)), ("mxfp8 row", dict(o2, num_stages=4,
+                                                                                              BLOCK_K=32)),
+                        ("mxfp8 row", dict(o2, num_stages=4, NUM_SMS=n2 // 2)), ("bf16", dict(o2, num_stages=2,
+                                                                                             FLATTEN=False))]
         if args.variants == "all":
             variants += [("mxfp8 row", dict(FLATTEN=False)), ("mxfp8 row", dict(TWO_DOTS=True)),
                          ("mxfp8 row", dict(BLOCK_K=128, num_stages=2)), ("mxfp8 row", dict(GROUP_M=4)),

@@ -34,18 +34,31 @@ def main():
             torch.cuda.synchronize()
         print(f"=== T={T} fwd+bwd, 5 iterations")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    for T in (1024, 4096):
+        layer, x, pos = make(T)
+        ang = pos.float()[:, None] * layer.inv_freq
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()  # HF layout, as bench.py
+        for name, call in (("position_ids", lambda: layer(x, position_ids=pos)),  # noqa: B023
+                           ("cos/sin [T, 64] fp32", lambda: layer(x, cos, sin))):  # noqa: B023
+            with torch.no_grad():
+                for _ in range(5):
+                    call()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    call()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+            print(f"T={T} forward ({name}): host {1e3 * (t1 - t0) / 50:.3f} ms/call, "
+                  f"wall {1e3 * (t2 - t0) / 50:.3f} ms/call")
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                layer(x, cos, sin)
+            torch.cuda.synchronize()
+        print(f"=== T={T} forward (cos/sin given), 10 calls: GPU kernels")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
     layer, x, pos = make(1024)
-    with torch.no_grad():
-        for _ in range(5):
-            layer(x, position_ids=pos)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            layer(x, position_ids=pos)
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-    print(f"T=1024 forward: host {1e3 * (t1 - t0) / 50:.3f} ms/call, wall {1e3 * (t2 - t0) / 50:.3f} ms/call")
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(20):
             layer(x, position_ids=pos)

@@ -132,6 +132,25 @@ def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
                 _same_bytes_or_both_nan(a, b, f"{mode} output {i} (IMAGE_NAN_SIGN=False)")
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+@pytest.mark.parametrize("R", [64, 128], ids=["shared_cos_sin", "per_chunk_cos_sin"])
+def test_rope_fast_kernel_heads_per_program(heads, R):
+    """Several heads per program (a runtime loop; with R/2 == 32 the cos/sin chunk is loaded once for all of them)
+    give the bytes of one head per program."""
+    H, nope, D, T = 4, 32, 32 + R, 45
+    g = torch.Generator().manual_seed(3)
+    y = (torch.randn(T, H * D, generator=g) * 5).to(DEVICE)
+    y[2, D + nope + 1] = float("nan")
+    c, s = torch.randn(T, R // 2, generator=g).to(DEVICE), torch.randn(T, R // 2, generator=g).to(DEVICE)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style="deepseek", inverse=True,
+              scale_mode="rceil", fast=True)
+    for mode in ("mxfp8", "mxfp8_images"):
+        one = rope_quant(y, c, s, mode=mode, columnwise=True, HEADS=1, **kw)
+        many = rope_quant(y, c, s, mode=mode, columnwise=True, HEADS=heads, **kw)
+        for i, (a, b) in enumerate(zip(many, one, strict=True)):
+            _same_bytes_or_both_nan(a, b, f"{mode} output {i}, HEADS={heads}")
+
+
 @pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])
 @pytest.mark.parametrize("geom", [(3, 8, 16, 32), (3, 32, 64, 128)], ids=["gather", "contiguous"])
 def test_rope_kernel_stays_inside_heads(style, geom):
@@ -150,17 +169,21 @@ def test_rope_kernel_stays_inside_heads(style, geom):
 
 
 @pytest.mark.parametrize("zc", [False, True])
-def test_rmsnorm_bwd(zc):
-    T, K = 45, 96
+@pytest.mark.parametrize("T, rows", [(45, None), (1100, None), (1100, 2), (3000, 8)])
+def test_rmsnorm_bwd(zc, T, rows):
+    """T = 1100: 4 rows per program (the last one partial), stepped 4 / 2 at a time; 3000: 8 per program, a step
+    of 8 rows."""
+    K = 96
     x = torch.randn(T, K, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(K, device=DEVICE)
     dxn = torch.randn(T, K, device=DEVICE)
     _, rs = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
-    dx, dg = rmsnorm_bwd(dxn, x, rs, w, zc)
+    knobs = {} if rows is None else {"ROWS": rows}
+    dx, dg = rmsnorm_bwd(dxn, x, rs, w, zc, **knobs)
     rdx, rdg = RQ.rmsnorm_bwd(dxn, x, rs, w, zc)
     assert_rel_err(dx.float(), rdx.float(), 1e-2, "dx")
     assert_rel_err(dg, rdg, 1e-5, "dnorm_weight")
-    dx2, dg2 = rmsnorm_bwd(dxn, x, rs, w, zc)
+    dx2, dg2 = rmsnorm_bwd(dxn, x, rs, w, zc, **knobs)
     assert_bytes_equal(dg2, dg, "dnorm_weight determinism")
     assert_bytes_equal(dx2, dx, "dx determinism")
 

@@ -17,32 +17,37 @@ def _rmsnorm_bwd_kernel(
     dxn_ptr, stride_dxn, x_ptr, stride_x, rsigma_ptr, w_ptr, dx_ptr, dw_part_ptr,
     T,
     ROWS_PER_PROG: tl.constexpr, K: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
+    """Program i_p: rows [i_p * ROWS_PER_PROG, (i_p + 1) * ROWS_PER_PROG) as [ROWS, BLOCK_K] tiles (ROWS rows in
+    flight per step: the loop is latency-bound with one); dw partial = fixed-order sum over its rows."""
     i_p = tl.program_id(0).to(tl.int64)
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
     b_g = tl.load(w_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         b_g = b_g + 1.0
-    b_dw = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for r in range(0, ROWS_PER_PROG):
-        t = i_p * ROWS_PER_PROG + r
-        m = m_k & (t < T)
-        b_x = tl.load(x_ptr + t * stride_x + o_k, mask=m, other=0.0).to(tl.float32)  # [BLOCK_K]
-        b_dxn = tl.load(dxn_ptr + t * stride_dxn + o_k, mask=m, other=0.0).to(tl.float32)
-        b_rs = tl.load(rsigma_ptr + t, mask=t < T, other=0.0)
-        b_xhat = b_x * b_rs
-        b_dxhat = b_dxn * b_g
-        b_c = tl.sum(b_dxhat * b_xhat, axis=0) / K
-        b_dx = b_rs * (b_dxhat - b_xhat * b_c)
-        tl.store(dx_ptr + t * K + o_k, b_dx.to(dx_ptr.dtype.element_ty), mask=m)
+    b_dw = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    for r in range(0, ROWS_PER_PROG, ROWS):
+        o_t = i_p * ROWS_PER_PROG + r + tl.arange(0, ROWS)
+        m_t = o_t < T
+        m = m_t[:, None] & m_k[None, :]
+        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_dxn = tl.load(dxn_ptr + o_t[:, None] * stride_dxn + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=0.0)
+        b_xhat = b_x * b_rs[:, None]
+        b_dxhat = b_dxn * b_g[None, :]
+        b_c = tl.sum(b_dxhat * b_xhat, axis=1) / K  # [ROWS]
+        b_dx = b_rs[:, None] * (b_dxhat - b_xhat * b_c[:, None])
+        tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty), mask=m)
         b_dw += b_dxn * b_xhat
-    tl.store(dw_part_ptr + i_p * K + o_k, b_dw, mask=m_k)
+    tl.store(dw_part_ptr + i_p * K + o_k, tl.sum(b_dw, axis=0), mask=m_k)
 
 
 def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
-                zero_centered_gamma: bool):
-    """Returns (dx [T, K] in x's dtype, dnorm_weight [K] in the parameter's dtype)."""
+                zero_centered_gamma: bool, **knobs):
+    """Returns (dx [T, K] in x's dtype, dnorm_weight [K] in the parameter's dtype). knobs: ROWS, num_warps
+    (benchmarks; the reduction order depends on T and ROWS only)."""
     T, K = x2d.shape
     dev = x2d.device
     dx = torch.empty((T, K), dtype=x2d.dtype, device=dev)
@@ -52,10 +57,14 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     # (rows per program is a power of two: few compiled variants across sequence lengths)
     rows = triton.next_power_of_2(triton.cdiv(T, 4 * 132))
     n_prog = triton.cdiv(T, rows)
+    block_k = triton.next_power_of_2(K)
+    conf = dict(ROWS=max(1, min(rows, 4, 8192 // block_k)), num_warps=8 if K > 1024 else 4)
+    conf.update(knobs)
+    conf["ROWS"] = min(conf["ROWS"], rows)  # a program's step never reaches into the next program's rows
     part = torch.empty((n_prog, K), dtype=torch.float32, device=dev)
     _rmsnorm_bwd_kernel[(n_prog,)](
         dxn_ptr=dxn, stride_dxn=dxn.stride(0), x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma,
         w_ptr=norm_weight, dx_ptr=dx, dw_part_ptr=part, T=T, ROWS_PER_PROG=rows, K=K,
-        ZERO_CENTERED=zero_centered_gamma, BLOCK_K=triton.next_power_of_2(K), num_warps=8 if K > 2048 else 4,
+        ZERO_CENTERED=zero_centered_gamma, BLOCK_K=block_k, **conf,
     )
     return dx, part.sum(0).to(norm_weight.dtype)
