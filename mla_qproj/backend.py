@@ -191,13 +191,17 @@ def _fp32_reductions():
         m.allow_bf16_reduced_precision_reduction = old if old_split_k is None else (old, old_split_k)
 
 
+# bf16 weights: dW written in bf16 by cuBLAS (False: an fp32 product, then a cast; the benchmark knob)
+DW_BF16_DIRECT = True
+
+
 def _mm_into_dtype(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """out (contiguous rows, any float dtype) = a @ b with fp32 accumulation and one final rounding to out's dtype.
     bf16 on CUDA: cuBLAS writes bf16 directly (saves the fp32 [N, K] buffer and a cast pass); under torch.compile
     the fp32 product is cast (the reduction flag is a Python-side global the compiled graph would not keep)."""
     if out.dtype == torch.float32:
         _mm_into(out, a, b)
-    elif (a.is_cuda and out.dtype == torch.bfloat16 and a.dtype == torch.bfloat16
+    elif (DW_BF16_DIRECT and a.is_cuda and out.dtype == torch.bfloat16 and a.dtype == torch.bfloat16
           and not torch.compiler.is_compiling()):
         with _fp32_reductions():
             torch.mm(a, b, out=out)

@@ -203,8 +203,12 @@ class FusedMLAQUpProjection(nn.Module):
                     raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast against "
                                      f"x.shape[:-1] + (rope_dim,) = {tuple(lead) + (self.cfg.rope_dim,)}") from e
             c, s = half_table(cos, self.cfg.rope_dim), half_table(sin, self.cfg.rope_dim)
-        c = c.expand(lead + (half,)).reshape(T, half).contiguous()
-        s = s.expand(lead + (half,)).reshape(T, half).contiguous()
+        # [T, R/2] views where the layout allows (a full-width HF table, a broadcast row): no copies on the host
+        # path; the kernels take a row stride (shared by cos and sin) and a unit inner stride
+        c = c.expand(lead + (half,)).reshape(T, half)
+        s = s.expand(lead + (half,)).reshape(T, half)
+        if c.dtype != s.dtype or c.stride() != s.stride() or c.stride(-1) != 1:
+            c, s = c.float().contiguous(), s.float().contiguous()
         return c, s
 
     def _check_x(self, x) -> None:

@@ -78,9 +78,7 @@ def main() -> None:
         nbytes = T * N * 6 + 2 * T * ROPE * 2
         ref = rope_quant(dq, c, s, fast=False, **kw)
         variants = [("general (gather)", dict(fast=False)), ("fast default", dict(fast=True))]
-        for heads, nw, nope_w, ns in [(1, 2, 64, True), (1, 2, 128, False), (1, 2, 64, False), (1, 4, 64, False),
-                                      (1, 1, 64, False), (2, 2, 64, False), (4, 2, 64, False), (4, 4, 64, False),
-                                      (8, 4, 64, False)]:
+        for heads, nw, nope_w, ns in [(1, 2, 64, True), (1, 2, 128, False), (1, 4, 64, False), (2, 2, 64, False)]:
             variants.append((f"fast heads={heads} warps={nw} nope_w={nope_w} image_nan_sign={int(ns)}",
                              dict(fast=True, HEADS=heads, num_warps=nw, NOPE_W=nope_w, IMAGE_NAN_SIGN=ns)))
         o1, o2 = torch.empty_like(dq), torch.empty_like(dq)
@@ -120,12 +118,14 @@ def main() -> None:
         rs = torch.rand(T, device="cuda") + 0.5
         nbytes = T * K * (4 + 2 + 2) + 4 * T
         ref_dx, ref_dg = rmsnorm_bwd(dxn, x, rs, g, False, ROWS=1, num_warps=4)
-        for nrows, nw in [(None, None), (1, 4), (2, 4), (4, 4), (8, 4), (2, 8), (4, 8), (8, 8), (16, 8)]:
-            kn = {} if nrows is None else dict(ROWS=nrows, num_warps=nw)
+        for nrows, nw, pps in [(None, None, None), (1, 8, 4), (1, 4, 8), (1, 4, 16), (1, 8, 8), (2, 4, 8),
+                               (1, 2, 16)]:
+            kn = {} if nrows is None else dict(ROWS=nrows, num_warps=nw, PROGS_PER_SM=pps)
             name = "rmsnorm_bwd " + (" ".join(f"{k.lower()}={v}" for k, v in kn.items()) or "default")
             try:
                 dx_, dg_ = rmsnorm_bwd(dxn, x, rs, g, False, **kn)
-                ok = torch.equal(dx_, ref_dx) and torch.allclose(dg_.float(), ref_dg.float(), rtol=1e-2, atol=1e-2)
+                ok = all(torch.allclose(u.float(), v.float(), rtol=1e-2, atol=1e-2)
+                         for u, v in ((dx_, ref_dx), (dg_, ref_dg)))
                 ms = bench(lambda: rmsnorm_bwd(dxn, x, rs, g, False, **kn))  # noqa: B023
                 rows.append((T, name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
             except Exception as e:

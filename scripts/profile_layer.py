@@ -21,7 +21,58 @@ def make(T, **kw):
     return layer, x, pos
 
 
+def backward_4096():
+    """The T = 4096 backward: host vs wall time per fwd+bwd, dW written in bf16 by cuBLAS or cast from fp32, the
+    wgrad GEMM alone in three forms, and the kernel table."""
+    from triton.testing import do_bench
+
+    from mla_qproj import backend
+
+    T = 4096
+    layer, x, pos = make(T)
+    ang = pos.float()[:, None] * layer.inv_freq
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        layer(x, cos, sin).backward(dy)
+
+    for direct in (True, False):
+        backend.DW_BF16_DIRECT = direct
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            step()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        ms = do_bench(step, warmup=10, rep=50, return_mode="median")
+        print(f"T={T} fwd+bwd dW_bf16_direct={direct}: host {1e3 * (t1 - t0) / 20:.3f} ms/call, wall "
+              f"{1e3 * (t2 - t0) / 20:.3f} ms/call, do_bench {ms:.3f} ms")
+    backend.DW_BF16_DIRECT = True
+    a = torch.randn(T, H * (NOPE + ROPE), device="cuda").to(torch.bfloat16).t()
+    b = torch.randn(T, K, device="cuda").to(torch.bfloat16)
+    out = torch.empty(a.shape[0], K, device="cuda", dtype=torch.bfloat16)
+    m = torch.backends.cuda.matmul
+    forms = {"fp32 out + cast": lambda: torch.mm(a, b, out_dtype=torch.float32).to(torch.bfloat16),
+             "bf16 out, reduced-precision reduction off": lambda: backend._mm_into_dtype(out, a, b)}
+    for name, fn in forms.items():
+        print(f"T={T} wgrad GEMM {name}: {do_bench(fn, warmup=10, rep=50, return_mode='median'):.3f} ms")
+    m.allow_bf16_reduced_precision_reduction = True
+    ms = do_bench(lambda: torch.mm(a, b, out=out), warmup=10, rep=50, return_mode="median")
+    print(f"T={T} wgrad GEMM bf16 out, torch default flags: {ms:.3f} ms")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(f"=== T={T} fwd+bwd, 5 iterations: GPU kernels")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
+
+
 def main():
+    backward_4096()
     for T in (16384,):
         layer, x, pos = make(T)
         dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)

@@ -126,10 +126,10 @@ def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
         slow = rope_quant(y, c, s, mode=mode, columnwise=col, fast=False, **kw)
         for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
             _same_bytes_or_both_nan(a, b, f"{mode} output {i}")
-        if mode == "mxfp8_images":  # the GPU-only shortcut for image codes keeps NaN-ness (checked compiled)
-            lean = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, IMAGE_NAN_SIGN=False, **kw)
-            for i, (a, b) in enumerate(zip(lean, slow, strict=True)):
-                _same_bytes_or_both_nan(a, b, f"{mode} output {i} (IMAGE_NAN_SIGN=False)")
+        if mode == "mxfp8_images":  # default: image codes skip the NaN-sign fix on the GPU; the fixed form too
+            signed = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, IMAGE_NAN_SIGN=True, **kw)
+            for i, (a, b) in enumerate(zip(signed, slow, strict=True)):
+                _same_bytes_or_both_nan(a, b, f"{mode} output {i} (IMAGE_NAN_SIGN=True)")
 
 
 @pytest.mark.parametrize("heads", [2, 4])

@@ -156,6 +156,40 @@ def test_forward_accepts_dtypes_and_half_tables():
         assert (dense(q) - ref).norm() / ref.norm() < 2e-2, f"x in {dt}"
 
 
+@pytest.mark.parametrize("rope", [R, 64], ids=["general_kernels", "fused_gemm_and_fast_rope"])
+@pytest.mark.parametrize("layout", ["full_width_view", "broadcast_row", "bf16", "transposed"])
+def test_table_layouts_read_in_place(layout, rope):
+    """cos/sin reach the kernels as views where they can (a full-width table's first half: row stride R; one row
+    broadcast over the tokens: row stride 0; bf16 tables upcast in the kernel) and the query and gradients equal
+    those of the same values as contiguous fp32 half tables (the torch backend on the same tables too)."""
+    layer = FusedMLAQUpProjection(K, H, NOPE, rope, columnwise_output=True, device=DEV)
+    T = 37
+    x = torch.randn(T, K, device=DEV)
+    cos, sin = tables((T,), rope)
+    if layout == "broadcast_row":
+        cos, sin = cos[:1], sin[:1]  # [1, R] against x [T]
+    elif layout == "bf16":
+        cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    elif layout == "transposed":  # inner stride != 1: copied to contiguous fp32
+        cos, sin = cos.t().contiguous().t(), sin.t().contiguous().t()
+    half = lambda t: t[..., : rope // 2].float().expand(T, rope // 2).contiguous()  # noqa: E731
+    dy = torch.randn(T, H, NOPE + rope, device=DEV)
+    outs = []
+    for c, s, backend in ((cos, sin, "auto"), (half(cos), half(sin), "auto"), (cos, sin, "torch")):
+        layer.backend = backend
+        xx = x.clone().requires_grad_()
+        q = layer(xx, c, s)
+        g = torch.autograd.grad(dense(q), (xx, layer.norm_weight, layer.weight), dy)
+        outs.append((q, g))
+    for (q, g), what in zip(outs[1:], ("contiguous fp32 half tables", "torch backend"), strict=True):
+        for f in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
+            assert torch.equal(getattr(outs[0][0], f).view(torch.uint8), getattr(q, f).view(torch.uint8)), \
+                f"{layout}: {f} vs {what}"
+        if what.startswith("contiguous"):  # same kernels, same values: same gradient bits
+            for a, b, name in zip(outs[0][1], g, ("dx", "dnorm_weight", "dweight"), strict=True):
+                assert torch.equal(a, b), f"{layout}: {name} vs {what}"
+
+
 def test_mxfp8_quantize_errors():
     with pytest.raises(ValueError, match="32"):
         mxfp8_quantize(torch.randn(4, 48))  # rowwise needs last dim % 32

@@ -6,6 +6,7 @@ Triton's interpreter mis-rounds fp32 -> float8e4nv casts of off-grid values (on-
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -202,3 +203,22 @@ def dequantize_e4m3(q, byte, x, EMULATED: tl.constexpr):
     if EMULATED:
         v = tl.where(x == x, v, x)
     return v
+
+
+# ------------------------------------------------------------------------------------------------ host checks
+
+PAIR_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_pair_tables(cos_h: torch.Tensor, sin_h: torch.Tensor) -> None:
+    """cos/sin pair tables as the kernels read them: [T, R/2] fp32 / bf16 / fp16 (upcast exactly in the kernel), the
+    same dtype and strides for both, unit inner stride, any row stride (a full-width table's view, a broadcast row)."""
+    for name, t in (("cos_h", cos_h), ("sin_h", sin_h)):
+        if t.dtype not in PAIR_TABLE_DTYPES:
+            raise TypeError(f"{name} must be one of {PAIR_TABLE_DTYPES}, got {t.dtype}")
+        if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be 2-D [T, R/2] with a unit inner stride, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    if cos_h.dtype != sin_h.dtype or cos_h.shape != sin_h.shape or cos_h.stride() != sin_h.stride():
+        raise ValueError(f"cos_h and sin_h must share dtype, shape and strides: {cos_h.dtype} {tuple(cos_h.shape)} "
+                         f"{cos_h.stride()} vs {sin_h.dtype} {tuple(sin_h.shape)} {sin_h.stride()}")

@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._config import QProjConfig, interpreter_enabled
-from ._common import amax_nan_ignoring, e8m0_from_amax, quantize_e4m3, to_bf16
+from ._common import amax_nan_ignoring, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16
 
 BLOCK_N = 256  # rows of W' per tile (two halves); fixed because `prepare_fused_weight` lays W' out per tile
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
@@ -306,8 +306,8 @@ def _mainloop(a_desc, w_desc, i_m, i_n, K: tl.constexpr, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass,
-              cd_rope, T,
+def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope,
+              cd_pass, cd_rope, T,
               H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
               PAIRED: tl.constexpr, SEG: tl.constexpr, OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr,
               SCALE_MODE: tl.constexpr, NT_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr,
@@ -322,8 +322,9 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_
         if ROPE_BCAST:  # HB % RH == 0: every RH-run of a half has pair indices 0..RH-1, so load [BLOCK_M, RH]
             o_i = tl.arange(0, RH)
             m_c = m_t[:, None] & (o_i < RH)[None, :]
-            b_c = tl.load(cos_ptr + o_t[:, None] * RH + o_i[None, :], mask=m_c, other=0.0)[:, None, :]
-            b_s = tl.load(sin_ptr + o_t[:, None] * RH + o_i[None, :], mask=m_c, other=0.0)[:, None, :]
+            o_cs = o_t[:, None] * stride_cs + o_i[None, :]
+            b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
+            b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
             b_l3 = tl.reshape(b_lo, [BLOCK_M, HB // RH, RH])
             b_h3 = tl.reshape(b_hi, [BLOCK_M, HB // RH, RH])
             b_lo = tl.reshape(b_l3 * b_c - b_h3 * b_s, [BLOCK_M, HB])  # a' = a c - b s
@@ -331,8 +332,9 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_
         else:
             _, m_i, o_i = _out_cols(i_n, tl.arange(0, HB), 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
             m_c = m_t[:, None] & m_i[None, :]
-            b_c = tl.load(cos_ptr + o_t[:, None] * RH + o_i[None, :], mask=m_c, other=0.0)  # [BLOCK_M, HB]
-            b_s = tl.load(sin_ptr + o_t[:, None] * RH + o_i[None, :], mask=m_c, other=0.0)  # [BLOCK_M, HB]
+            o_cs = o_t[:, None] * stride_cs + o_i[None, :]
+            b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_M, HB]
+            b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_M, HB]
             b_lo, b_hi = b_lo * b_c - b_hi * b_s, b_hi * b_c + b_lo * b_s
 
     if PAIRED:  # gptj MXFP8: one MX block = 16 columns of each half, amaxes combined
@@ -361,7 +363,7 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_
 @triton.jit(launch_metadata=_launch_metadata)
 def _qproj_gemm_fwd_kernel(
     a_desc, w_desc,  # [T, K] bf16 ; [(NT_PASS + NT_ROPE) * 2 * HB, K] bf16 (W' rows = kernel columns)
-    cos_ptr, sin_ptr,  # [T, R // 2] fp32
+    cos_ptr, sin_ptr, stride_cs,  # [T, R // 2] fp32 / bf16 / fp16 pair tables, unit inner stride, row stride
     y_ptr, rs_ptr, cd_ptr, cs_ptr,  # outputs: bf16 y [T, H, D] | fp8 row data, row scale, col data, col scale
     yd_pass, yd_rope, cd_pass, cd_rope,  # TMA_STORE: descriptors of y / col data viewed [T, H, D] (else None)
     T,
@@ -384,9 +386,9 @@ def _qproj_gemm_fwd_kernel(
         while tile < num_tiles:
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
             b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
-            _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope,
-                      cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE, NT_PASS,
-                      BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
+            _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
+                      yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
+                      NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             tile += NUM_SMS
     else:
         tile_c = i_sm - NUM_SMS  # the epilogue's own counter: the next tile's loads can be hoisted over it
@@ -396,8 +398,8 @@ def _qproj_gemm_fwd_kernel(
             tile_c += NUM_SMS
             i_m, i_n = _tile_coords(tile_c, num_m, NT_N, GROUP_M)
             if EPILOGUE:
-                _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope,
-                          cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
+                _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
+                          yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
                           NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             elif T < 0:  # benchmark knob EPILOGUE=False: the GEMM alone (never stores, but keeps the dots alive)
                 tl.store(y_ptr + tl.arange(0, HB), (b_lo + b_hi).reshape(BLOCK_M, HB).max(axis=0).to(
@@ -428,16 +430,17 @@ def _check_inputs(a, w_prepared, cos_h, sin_h, cfg):
         raise TypeError(f"cfg must be a QProjConfig, got {type(cfg).__name__}")
     if not fused_gemm_supported(cfg):
         raise ValueError(f"qproj_gemm_fwd does not cover this geometry: {cfg}")
-    for name, t, dt in (("a", a, torch.bfloat16), ("w_prepared", w_prepared, torch.bfloat16),
-                        ("cos_h", cos_h, torch.float32), ("sin_h", sin_h, torch.float32)):
+    for name, t in (("a", a), ("w_prepared", w_prepared), ("cos_h", cos_h), ("sin_h", sin_h)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if t.dtype != dt:
-            raise TypeError(f"{name} must be {dt}, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
         if t.device != a.device:
             raise ValueError(f"{name} is on {t.device}, a on {a.device}")
+    for name, t in (("a", a), ("w_prepared", w_prepared)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be {torch.bfloat16}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    check_pair_tables(cos_h, sin_h)
     T, K = a.shape if a.dim() == 2 else (None, None)
     if a.dim() != 2 or K != cfg.q_lora_rank:
         raise ValueError(f"a must be [T, {cfg.q_lora_rank}], got {tuple(a.shape)}")
@@ -522,7 +525,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
                 descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HALF_N]) if P else None
                 descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HALF_N // RH, RH])
     _qproj_gemm_fwd_kernel[grid](
-        a_desc=a_desc, w_desc=w_desc, cos_ptr=cos_h, sin_ptr=sin_h, **descs,
+        a_desc=a_desc, w_desc=w_desc, cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0), **descs,
         y_ptr=y, rs_ptr=rs if rs is not None else y, cd_ptr=cd if cd is not None else y,
         cs_ptr=cs if cs is not None else y,
         T=T, K=K, H=H, D=D, P=cfg.qk_head_dim, R=R,

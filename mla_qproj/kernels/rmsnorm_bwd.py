@@ -46,8 +46,8 @@ def _rmsnorm_bwd_kernel(
 
 def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
                 zero_centered_gamma: bool, **knobs):
-    """Returns (dx [T, K] in x's dtype, dnorm_weight [K] in the parameter's dtype). knobs: ROWS, num_warps
-    (benchmarks; the reduction order depends on T and ROWS only)."""
+    """Returns (dx [T, K] in x's dtype, dnorm_weight [K] in the parameter's dtype). knobs: ROWS, num_warps,
+    PROGS_PER_SM (benchmarks; the reduction order depends on T, ROWS and PROGS_PER_SM only)."""
     T, K = x2d.shape
     dev = x2d.device
     dx = torch.empty((T, K), dtype=x2d.dtype, device=dev)
@@ -55,11 +55,12 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
         return dx, torch.zeros_like(norm_weight)
     # a fixed number of programs for a given T: the reduction order depends on T only (deterministic)
     # (rows per program is a power of two: few compiled variants across sequence lengths)
-    rows = triton.next_power_of_2(triton.cdiv(T, 4 * 132))
+    # H200 (2026-11-30, scripts/kernel_sweep.py): one row per step and 4 warps beat [2-16, K] steps and 8 warps
+    conf = dict(ROWS=1, num_warps=8 if K > 2048 else 4, PROGS_PER_SM=4)
+    conf.update(knobs)
+    rows = triton.next_power_of_2(triton.cdiv(T, conf.pop("PROGS_PER_SM") * 132))
     n_prog = triton.cdiv(T, rows)
     block_k = triton.next_power_of_2(K)
-    conf = dict(ROWS=max(1, min(rows, 4, 8192 // block_k)), num_warps=8 if K > 1024 else 4)
-    conf.update(knobs)
     conf["ROWS"] = min(conf["ROWS"], rows)  # a program's step never reaches into the next program's rows
     part = torch.empty((n_prog, K), dtype=torch.float32, device=dev)
     _rmsnorm_bwd_kernel[(n_prog,)](

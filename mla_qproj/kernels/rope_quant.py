@@ -24,6 +24,7 @@ from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
 from ._common import (
     amax_nan_ignoring,
+    check_pair_tables,
     dequantize_e4m3,
     e8m0_from_amax,
     nan_ignoring_amax,
@@ -37,7 +38,7 @@ from ._common import (
 
 @triton.jit
 def _rope_quant_kernel(
-    y_ptr, stride_y, cos_ptr, sin_ptr,
+    y_ptr, stride_y, cos_ptr, sin_ptr, stride_cs,
     out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
     T,
     H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
@@ -64,8 +65,8 @@ def _rope_quant_kernel(
             m_r = m_t[:, None] & is_rope[None, :]
             b_v1 = tl.load(p_y + (NOPE + src1)[None, :], mask=m_r, other=float("nan")).to(tl.float32)
             b_v2 = tl.load(p_y + (NOPE + src2)[None, :], mask=m_r, other=0.0).to(tl.float32)
-            b_c = tl.load(cos_ptr + o_t[:, None] * HALF + pair[None, :], mask=m_r, other=1.0)
-            b_s = tl.load(sin_ptr + o_t[:, None] * HALF + pair[None, :], mask=m_r, other=0.0)
+            b_c = tl.load(cos_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=1.0).to(tl.float32)
+            b_s = tl.load(sin_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=0.0).to(tl.float32)
             # (v1*c) + ((±v2)*s): bitwise the reference's a*c - b*s (launched with FMA contraction off)
             b_o = tl.where(is_rope[None, :], b_v1 * b_c + (sign[None, :] * b_v2) * b_s, b_o)
         o_out = o_t[:, None] * N + i_h * D + o_d[None, :]
@@ -140,7 +141,7 @@ def _emit_tile(b_y, o_t, m_t, i_t, col0, out_ptr, row_scale_ptr, col_data_ptr, c
 
 @triton.jit
 def _rope_quant_fast_kernel(
-    y_ptr, stride_y, cos_ptr, sin_ptr,
+    y_ptr, stride_y, cos_ptr, sin_ptr, stride_cs,
     out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
     T,
     H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
@@ -166,9 +167,9 @@ def _rope_quant_fast_kernel(
     NC: tl.constexpr = HALF // 32  # chunks of 32 pairs
     SHARED_CS: tl.constexpr = NC == 1 and HEADS > 1
     if SHARED_CS:  # one [32 tokens, 32 pairs] cos/sin chunk: loaded once for the program's HEADS heads
-        o_cs = o_t[:, None] * HALF + o_32[None, :]
-        b_c1 = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0)
-        b_s1 = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0)
+        o_cs = o_t[:, None] * stride_cs + o_32[None, :]
+        b_c1 = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0).to(tl.float32)
+        b_s1 = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0).to(tl.float32)
     for hh in range(HEADS):  # a runtime loop: one head's tiles are live at a time
         i_h = i_g * HEADS + hh
         p_y = y_ptr + o_t[:, None] * stride_y + i_h * D  # [32, 1] row starts of this head
@@ -189,9 +190,9 @@ def _rope_quant_fast_kernel(
             if SHARED_CS:
                 b_c, b_s = b_c1, b_s1
             else:
-                o_cs = o_t[:, None] * HALF + c * 32 + o_32[None, :]
-                b_c = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0)
-                b_s = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0)
+                o_cs = o_t[:, None] * stride_cs + c * 32 + o_32[None, :]
+                b_c = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0).to(tl.float32)
+                b_s = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0).to(tl.float32)
             if IN_IL:
                 o_in = NOPE + c * 64 + tl.arange(0, 64)
                 b_in = tl.load(p_y + o_in[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
@@ -226,12 +227,12 @@ def fast_path_supported(qk_head_dim: int, rope_dim: int, head_dim: int) -> bool:
 
 def _fast_launch(qk_head_dim: int, device: torch.device, **knobs) -> dict:
     """Launch knobs of the fast kernel (defaults measured on an H200, see BENCHMARKS.md); knobs override."""
-    nope_w = knobs.pop("NOPE_W", None) or next((w for w in (128, 64, 32) if qk_head_dim % w == 0), 32)
+    nope_w = knobs.pop("NOPE_W", None) or next((w for w in (64, 32) if qk_head_dim % w == 0), 32)
     # H200, T = 16384, backward operands (scripts/kernel_sweep.py, 2026-11-30): one head per program and 2 warps;
-    # several heads per program ran 1.2-4x slower (registers), the emulated rounding 6x slower
-    # IMAGE_NAN_SIGN=False (mxfp8_images only): skip the NaN-sign fix of codes that only become bf16 images
-    # (~30 % fewer instructions per element by SASS count; not yet timed on the GPU, so off by default)
-    conf = dict(HEADS=1, NOPE_W=nope_w, num_warps=2, HEAD_MAJOR=True, IMAGE_NAN_SIGN=True,
+    # several heads per program ran 1.2-4x slower (registers), the emulated rounding 6x slower.
+    # IMAGE_NAN_SIGN=False (mxfp8_images only): codes that only become bf16 images skip the NaN-sign fix (the image
+    # is NaN either way): 232 -> 80 registers, ~30 % fewer instructions, 1.02 -> 0.745 ms (0.56 -> 0.77 of copy)
+    conf = dict(HEADS=1, NOPE_W=nope_w, num_warps=2, HEAD_MAJOR=True, IMAGE_NAN_SIGN=False,
                 EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
     return conf
@@ -240,7 +241,8 @@ def _fast_launch(qk_head_dim: int, device: torch.device, **knobs) -> dict:
 def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, num_heads: int, head_dim: int,
                qk_head_dim: int, rope_dim: int, rope_style: str, inverse: bool, mode: str, columnwise: bool,
                scale_mode: str, fast: bool | None = None, **knobs):
-    """y2d [T, H*D] (unit inner stride), cos_h/sin_h [T, R/2] fp32 contiguous.
+    """y2d [T, H*D] (unit inner stride), cos_h/sin_h [T, R/2] pair tables (`check_pair_tables`: fp32 / bf16 /
+    fp16, unit inner stride, any row stride).
 
     mode 'mxfp8': (row data fp8 [T, N], row scale [T, N/32], col data, col scale [ceil(T/32), N]) — forward output.
     mode 'mxfp8_images': (row image bf16 [T, N], col image bf16 [T, N]) — backward GEMM operands.
@@ -249,6 +251,7 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
     """
     T, N = y2d.shape
     dev = y2d.device
+    check_pair_tables(cos_h, sin_h)
     mx = mode == "mxfp8"
     e = torch.empty
     if mode == "mxfp8":
@@ -269,14 +272,14 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
         if grid[0] > 65535:  # a CUDA grid's y extent: keep the token blocks on x
             conf["HEAD_MAJOR"] = False
         _rope_quant_fast_kernel[grid[::-1] if conf["HEAD_MAJOR"] else grid](
-            y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h,
+            y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
             out_ptr=out, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs, T=T,
             H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style, INVERSE=inverse,
             MODE=mode, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, enable_fp_fusion=False, **conf,
         )
     elif T > 0:
         _rope_quant_kernel[(triton.cdiv(T, 32), num_heads)](
-            y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h,
+            y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
             out_ptr=out, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs, T=T,
             H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style, INVERSE=inverse,
             MODE=mode, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, num_warps=4, enable_fp_fusion=False,

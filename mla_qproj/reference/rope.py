@@ -48,11 +48,15 @@ def join_pairs_unrotated(a: torch.Tensor, b: torch.Tensor, style: str) -> torch.
     return torch.stack([a, b], dim=-1).flatten(-2)
 
 
+TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read as is (exact upcast in the arithmetic)
+
+
 def half_table(t: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """The per-pair part of a cos/sin table (width R as cat(freqs, freqs), or R/2), as fp32."""
+    """The per-pair part of a cos/sin table (width R as cat(freqs, freqs), or R/2): a view when it can be (fp32,
+    bf16 and fp16 tables are kept as they are: the RoPE arithmetic upcasts them exactly to fp32), else fp32."""
     if t.shape[-1] == rope_dim:
-        return t[..., : rope_dim // 2].float()
-    return t.float()
+        t = t[..., : rope_dim // 2]
+    return t if t.dtype in TABLE_DTYPES else t.float()
 
 
 def apply_rope(
