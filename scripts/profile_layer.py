@@ -37,7 +37,7 @@ def backward_4096():
     def step():
         layer(x, cos, sin).backward(dy)
 
-    for direct in (True, False):
+    for direct in (False, True, False, True):  # twice each, alternating: order effects show
         backend.DW_BF16_DIRECT = direct
         for _ in range(3):
             step()
@@ -58,17 +58,26 @@ def backward_4096():
     m = torch.backends.cuda.matmul
     forms = {"fp32 out + cast": lambda: torch.mm(a, b, out_dtype=torch.float32).to(torch.bfloat16),
              "bf16 out, reduced-precision reduction off": lambda: backend._mm_into_dtype(out, a, b)}
-    for name, fn in forms.items():
-        print(f"T={T} wgrad GEMM {name}: {do_bench(fn, warmup=10, rep=50, return_mode='median'):.3f} ms")
     m.allow_bf16_reduced_precision_reduction = True
-    ms = do_bench(lambda: torch.mm(a, b, out=out), warmup=10, rep=50, return_mode="median")
-    print(f"T={T} wgrad GEMM bf16 out, torch default flags: {ms:.3f} ms")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    forms["bf16 out, torch default flags"] = lambda: torch.mm(a, b, out=out)
+    for name, fn in forms.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        gpu = do_bench(fn, warmup=10, rep=50, return_mode="median")
+        print(f"T={T} wgrad GEMM {name}: {gpu:.3f} ms GPU, host {1e3 * (t1 - t0) / 100:.3f} ms/call")
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
     print(f"=== T={T} fwd+bwd, 5 iterations: GPU kernels")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60))
+    print(f"=== T={T} fwd+bwd, 5 iterations: host (self CPU)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main():

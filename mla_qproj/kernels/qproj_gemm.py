@@ -202,11 +202,13 @@ def _tma_store_half(desc_pass, desc_rope, b_v, i_m, i_n, HALF: tl.constexpr, BLO
     pass-through, HB % (R/2) == 0, so a pass-through half is [BLOCK_M, 1, HB] at (token, head, column) and a
     rope half is [BLOCK_M, HB / (R/2), R/2] (the same pair run of HB / (R/2) heads). Rows past T are clipped."""
     RH: tl.constexpr = R // 2
-    if i_n < NT_PASS:
+    u = (i_n - NT_PASS) * HB
+    if NT_PASS == 0:  # no pass-through tiles (P == 0, no pass descriptor): the pass branch is not compiled at all
+        desc_rope.store([i_m * BLOCK_M, u // RH, P + HALF * RH], tl.reshape(b_v, [BLOCK_M, HB // RH, RH]))
+    elif i_n < NT_PASS:
         c = i_n * (2 * HB) + HALF * HB
         desc_pass.store([i_m * BLOCK_M, c // P, c % P], tl.reshape(b_v, [BLOCK_M, 1, HB]))
     else:
-        u = (i_n - NT_PASS) * HB
         desc_rope.store([i_m * BLOCK_M, u // RH, P + HALF * RH], tl.reshape(b_v, [BLOCK_M, HB // RH, RH]))
 
 
