@@ -18,6 +18,7 @@ for s in $STEPS; do
     sweep) timeout ${SWEEP_TIMEOUT:-200} python3 scripts/kernel_sweep.py > "$OUT/sweep.txt" 2>&1 ;;
     gemm) timeout ${GEMM_TIMEOUT:-150} python3 scripts/gemm_probe.py --variants ${GEMM_VARIANTS:-tma} ${GEMM_ARGS:-} > "$OUT/gemm.txt" 2>&1 ;;
     profile) timeout ${PROFILE_TIMEOUT:-120} python3 scripts/profile_layer.py > "$OUT/profile.txt" 2>&1 ;;
+    host) timeout ${HOST_TIMEOUT:-120} python3 scripts/host_profile.py > "$OUT/host.txt" 2>&1 ;;
     bench) timeout ${BENCH_TIMEOUT:-240} python3 -m mla_qproj.bench --tokens ${TOKENS:-1024,4096,16384,65536} \
              --rep ${REP:-50} --out "$OUT" > "$OUT/bench.log" 2>&1 ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE -x --durations=8 ${TESTS:-tests/} \
@@ -30,6 +31,7 @@ for s in $STEPS; do
     kernels) echo "=== kernels"; cat "$OUT/kernels.txt" | tail -12 ;;
     sweep) echo "=== sweep"; grep -E "^ +[0-9]+  |^NVIDIA|Error|error" "$OUT/sweep.txt" | tail -70 ;;
     gemm) echo "=== gemm"; grep -E "^ +[0-9]+ \||variant|correctness|Error" "$OUT/gemm.txt" | tail -30 ;;
+    host) echo "=== host"; grep -E "ms/step|function calls|^ +[0-9]" "$OUT/host.txt" | cut -c1-150 | head -80 ;;
     profile) echo "=== profile"; grep -v "^-" "$OUT/profile.txt" | grep -v "^ *$" | head -70 ;;
     bench) echo "=== bench"; tail -45 "$OUT/bench.log" ;;
     tests) echo "=== tests"; tail -22 "$OUT/pytest.log" ;;
