@@ -177,7 +177,8 @@ class FusedMLAQUpProjection(nn.Module):
             if position_ids.device != x.device:
                 raise ValueError(f"position_ids is on {position_ids.device}, x on {x.device}")
             try:
-                torch.broadcast_shapes(position_ids.shape, lead)
+                if position_ids.shape != lead:
+                    torch.broadcast_shapes(position_ids.shape, lead)
             except RuntimeError as e:
                 raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} does not broadcast against "
                                  f"x.shape[:-1] = {tuple(lead)}") from e
@@ -196,8 +197,8 @@ class FusedMLAQUpProjection(nn.Module):
                 if t.dim() == 0 or t.shape[-1] not in (self.cfg.rope_dim, half):
                     raise ValueError(f"{name} last dim must be qk_pos_emb_head_dim ({self.cfg.rope_dim}) or half of "
                                      f"it ({half}), got shape {tuple(t.shape)}")
-                try:
-                    if torch.broadcast_shapes(t.shape[:-1], lead) != lead:
+                try:  # (torch.broadcast_shapes costs tens of microseconds: only when the shapes differ)
+                    if t.shape[:-1] != lead and torch.broadcast_shapes(t.shape[:-1], lead) != lead:
                         raise RuntimeError
                 except RuntimeError as e:
                     raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast against "

@@ -44,6 +44,22 @@ def _rmsnorm_bwd_kernel(
     tl.store(dw_part_ptr + i_p * K + o_k, tl.sum(b_dw, axis=0), mask=m_k)
 
 
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, n_part, K: tl.constexpr, MAX_P: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    """out[k] = sum over the n_part (<= MAX_P, a power of two: constexpr loop bounds, few variants) partial rows of
+    part[:, k] (fp32, a fixed order: deterministic), cast to out's dtype: the dnorm_weight reduction and cast in one
+    launch."""
+    o_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_k = o_k < K
+    b_acc = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
+    for p0 in range(0, MAX_P, BLOCK_P):
+        o_p = p0 + tl.arange(0, BLOCK_P)
+        m = (o_p < n_part)[:, None] & m_k[None, :]
+        b_acc += tl.load(part_ptr + o_p[:, None].to(tl.int64) * K + o_k[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + o_k, tl.sum(b_acc, axis=0).to(out_ptr.dtype.element_ty), mask=m_k)
+
+
 def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
                 zero_centered_gamma: bool, **knobs):
     """Returns (dx [T, K] in x's dtype, dnorm_weight [K] in the parameter's dtype). knobs: ROWS, num_warps,
@@ -68,4 +84,8 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
         w_ptr=norm_weight, dx_ptr=dx, dw_part_ptr=part, T=T, ROWS_PER_PROG=rows, K=K,
         ZERO_CENTERED=zero_centered_gamma, BLOCK_K=block_k, **conf,
     )
-    return dx, part.sum(0).to(norm_weight.dtype)
+    dg = torch.empty(K, dtype=norm_weight.dtype, device=dev)
+    max_p = triton.next_power_of_2(n_prog)
+    _sum_partials_kernel[(triton.cdiv(K, 64),)](part, dg, n_prog, K=K, MAX_P=max_p, BLOCK_P=min(32, max_p), BLOCK_K=64,
+                                                num_warps=4)
+    return dx, dg
