@@ -2,9 +2,11 @@
 
     python -m mla_qproj.bench_kernels [--tokens 4096,16384]
 
-For each kernel, the bytes it must move (each input read once, each output written once) over its median time
-(`triton.testing.do_bench`), and that rate as a fraction of a large device-to-device copy measured in the same
-run (bytes read + written). DeepSeek-V3 query shape: K = 1536, H = 128, D = 192 (nope 128, rope 64).
+For each kernel, the bytes it must move (each input read once, each output written once) over its time, and that
+rate as a fraction of a device-to-device copy of the gradient's size measured the same way in the same run (bytes
+read + written). Two timings: "eager" = `triton.testing.do_bench` median (host launch work included: small kernels
+on a slow host are bounded by it), "graph" = the kernel calls replayed from a CUDA graph, each after an L2 flush,
+minus the flushes alone (GPU time; the bandwidth figure). DeepSeek-V3 query shape: K = 1536, H = 128, D = 192.
 """
 
 from __future__ import annotations
@@ -24,8 +26,41 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def rows(T: int) -> list[tuple[str, float, float]]:
-    """(name, bytes moved, ms) for the copy ceiling and each kernel at T tokens."""
+_FLUSH: list = []
+
+
+def _graph_ms(fn, n: int = 20) -> float:
+    """GPU ms per call: a CUDA graph of n x (256 MB L2 flush, fn) minus one of n flushes, median of 7 replays."""
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
+    flush = _FLUSH[0]
+    fn()  # compile, allocator warm-up
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    times = []
+    for g in graphs:
+        ts = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            ts.append(start.elapsed_time(end))
+        times.append(sorted(ts)[3])
+    return (times[0] - times[1]) / n
+
+
+def rows(T: int) -> list[tuple[str, float, float, float]]:
+    """(name, bytes moved, eager ms, graph ms) for the copy ceiling and each kernel at T tokens."""
     from .kernels.rmsnorm_bwd import rmsnorm_bwd
     from .kernels.rmsnorm_quant import rmsnorm_quant_fwd
     from .kernels.rope_quant import rope_quant
@@ -33,28 +68,28 @@ def rows(T: int) -> list[tuple[str, float, float]]:
     dev = "cuda"
     src = torch.randn(T * N // 2, device=dev)  # fp32: as many bytes as the bf16 [T, N] gradient
     dst = torch.empty_like(src)
-    out = [("device copy (ceiling)", 2.0 * src.numel() * 4, _bench(lambda: dst.copy_(src)))]
+    out = [("device copy (ceiling)", 2.0 * src.numel() * 4, lambda: dst.copy_(src))]
     dq = torch.randn(T, N, device=dev).to(torch.bfloat16)
     c, s = torch.randn(T, ROPE // 2, device=dev), torch.randn(T, ROPE // 2, device=dev)
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=NOPE, rope_dim=ROPE, rope_style="deepseek", inverse=True,
               scale_mode="rceil")
     out.append(("inverse RoPE + dy quant (2 bf16 images)", T * N * (2 + 2 + 2) + 2 * T * ROPE * 2,
-                _bench(lambda: rope_quant(dq, c, s, mode="mxfp8_images", columnwise=True, **kw))))
+                lambda: rope_quant(dq, c, s, mode="mxfp8_images", columnwise=True, **kw)))
     x = torch.randn(T, K, device=dev).to(torch.bfloat16)
     g = torch.rand(K, device=dev) + 0.5
     out.append(("RMSNorm + xn quant (fwd)", T * K * (2 + 2 + 1) + T * K / 32 + 4 * T,
-                _bench(lambda: rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil"))))
+                lambda: rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil")))
     from .kernels.mxfp8_quant import dequantize_columnwise_bf16
     from .reference.mxfp8 import quantize_columnwise
 
     xcd, xcs = quantize_columnwise(torch.randn(T, K, device=dev))
     out.append(("xn columnwise -> bf16 image (bwd)", T * K * (1 + 2) + T * K / 32,
-                _bench(lambda: dequantize_columnwise_bf16(xcd, xcs))))
+                lambda: dequantize_columnwise_bf16(xcd, xcs)))
     dxn = torch.randn(T, K, device=dev)
     rs = torch.rand(T, device=dev) + 0.5
     out.append(("RMSNorm backward", T * K * (4 + 2 + 2) + 4 * T,
-                _bench(lambda: rmsnorm_bwd(dxn, x, rs, g, False))))
-    return out
+                lambda: rmsnorm_bwd(dxn, x, rs, g, False)))
+    return [(name, nbytes, _bench(fn), _graph_ms(fn)) for name, nbytes, fn in out]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,13 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         print("mla_qproj.bench_kernels: no CUDA GPU found; this benchmark needs one. Nothing to do.")
         return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'T':>6}  {'kernel':<42}{'ms':>9}{'GB/s':>9}{'of copy':>9}")
+    print(f"{'T':>6}  {'kernel':<42}{'eager ms':>9}{'of copy':>9}{'graph ms':>9}{'GB/s':>9}{'of copy':>9}")
     for T in (int(t) for t in args.tokens.split(",")):
         res = rows(T)
-        ceiling = res[0][1] / res[0][2] / 1e6
-        for name, nbytes, ms in res:
-            gbs = nbytes / ms / 1e6
-            print(f"{T:>6}  {name:<42}{ms:>9.3f}{gbs:>9.0f}{gbs / ceiling:>9.2f}")
+        ceil_e, ceil_g = (res[0][1] / res[0][i] / 1e6 for i in (2, 3))
+        for name, nbytes, ms_e, ms_g in res:
+            gbs_e, gbs_g = nbytes / ms_e / 1e6, nbytes / ms_g / 1e6
+            print(f"{T:>6}  {name:<42}{ms_e:>9.3f}{gbs_e / ceil_e:>9.2f}{ms_g:>9.3f}{gbs_g:>9.0f}"
+                  f"{gbs_g / ceil_g:>9.2f}")
     return 0
 
 
