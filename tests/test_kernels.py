@@ -169,16 +169,18 @@ def test_rope_kernel_stays_inside_heads(style, geom):
 
 
 @pytest.mark.parametrize("zc", [False, True])
-@pytest.mark.parametrize("T, rows", [(45, None), (1100, None), (1100, 2), (3000, 8)])
-def test_rmsnorm_bwd(zc, T, rows):
-    """T = 1100: 4 rows per program (the last one partial), stepped 4 / 2 at a time; 3000: 8 per program, a step
-    of 8 rows."""
+@pytest.mark.parametrize("T, rows, prefetch", [(45, None, True), (700, None, True), (700, 2, True), (1500, 8, False)])
+def test_rmsnorm_bwd(zc, T, rows, prefetch):
+    """T = 700 with one program per SM's worth (132): 8 rows per program (the last one partial), stepped 1 / 2 at
+    a time, the next step's rows prefetched; 1500: 16 per program, a step of 8 rows, no prefetch."""
     K = 96
     x = torch.randn(T, K, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(K, device=DEVICE)
     dxn = torch.randn(T, K, device=DEVICE)
     _, rs = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
-    knobs = {} if rows is None else {"ROWS": rows}
+    knobs = {"PREFETCH": prefetch, "PROGS_PER_SM": 4 if T < 132 else 1}
+    if rows is not None:
+        knobs["ROWS"] = rows
     dx, dg = rmsnorm_bwd(dxn, x, rs, w, zc, **knobs)
     rdx, rdg = RQ.rmsnorm_bwd(dxn, x, rs, w, zc)
     assert_rel_err(dx.float(), rdx.float(), 1e-2, "dx")

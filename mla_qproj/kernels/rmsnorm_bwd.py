@@ -17,7 +17,7 @@ def _rmsnorm_bwd_kernel(
     dxn_ptr, stride_dxn, x_ptr, stride_x, rsigma_ptr, w_ptr, dx_ptr, dw_part_ptr,
     T,
     ROWS_PER_PROG: tl.constexpr, K: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program i_p: rows [i_p * ROWS_PER_PROG, (i_p + 1) * ROWS_PER_PROG) as [ROWS, BLOCK_K] tiles (ROWS rows in
     flight per step: the loop is latency-bound with one); dw partial = fixed-order sum over its rows."""
@@ -28,19 +28,37 @@ def _rmsnorm_bwd_kernel(
     if ZERO_CENTERED:
         b_g = b_g + 1.0
     b_dw = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    # PREFETCH: the next step's x / dxn / rsigma are loaded before this step's reduction and store (a register
+    # double buffer: Triton pipelines no loads outside dot loops, and each step waits on a reduction)
+    o_t = i_p * ROWS_PER_PROG + tl.arange(0, ROWS)
+    m_t = o_t < T
+    m = m_t[:, None] & m_k[None, :]
+    b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0)
+    b_dxn = tl.load(dxn_ptr + o_t[:, None] * stride_dxn + o_k[None, :], mask=m, other=0.0)
+    b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=0.0)
     for r in range(0, ROWS_PER_PROG, ROWS):
-        o_t = i_p * ROWS_PER_PROG + r + tl.arange(0, ROWS)
-        m_t = o_t < T
-        m = m_t[:, None] & m_k[None, :]
-        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_dxn = tl.load(dxn_ptr + o_t[:, None] * stride_dxn + o_k[None, :], mask=m, other=0.0).to(tl.float32)
-        b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=0.0)
-        b_xhat = b_x * b_rs[:, None]
-        b_dxhat = b_dxn * b_g[None, :]
+        if PREFETCH:
+            o_n = o_t + ROWS
+            m_n = (o_n < T) & (r + ROWS < ROWS_PER_PROG)
+            mn = m_n[:, None] & m_k[None, :]
+            b_x_n = tl.load(x_ptr + o_n[:, None] * stride_x + o_k[None, :], mask=mn, other=0.0)
+            b_dxn_n = tl.load(dxn_ptr + o_n[:, None] * stride_dxn + o_k[None, :], mask=mn, other=0.0)
+            b_rs_n = tl.load(rsigma_ptr + o_n, mask=m_n, other=0.0)
+        b_xhat = b_x.to(tl.float32) * b_rs[:, None]
+        b_dxhat = b_dxn.to(tl.float32) * b_g[None, :]
         b_c = tl.sum(b_dxhat * b_xhat, axis=1) / K  # [ROWS]
         b_dx = b_rs[:, None] * (b_dxhat - b_xhat * b_c[:, None])
         tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty), mask=m)
-        b_dw += b_dxn * b_xhat
+        b_dw += b_dxn.to(tl.float32) * b_xhat
+        o_t = o_t + ROWS
+        m_t = o_t < T
+        m = m_t[:, None] & m_k[None, :]
+        if PREFETCH:
+            b_x, b_dxn, b_rs = b_x_n, b_dxn_n, b_rs_n
+        else:
+            b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0)
+            b_dxn = tl.load(dxn_ptr + o_t[:, None] * stride_dxn + o_k[None, :], mask=m, other=0.0)
+            b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=0.0)
     tl.store(dw_part_ptr + i_p * K + o_k, tl.sum(b_dw, axis=0), mask=m_k)
 
 
@@ -72,7 +90,7 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     # a fixed number of programs for a given T: the reduction order depends on T only (deterministic)
     # (rows per program is a power of two: few compiled variants across sequence lengths)
     # H200 (2026-11-30, scripts/kernel_sweep.py): one row per step and 4 warps beat [2-16, K] steps and 8 warps
-    conf = dict(ROWS=1, num_warps=8 if K > 2048 else 4, PROGS_PER_SM=4)
+    conf = dict(ROWS=1, num_warps=8 if K > 2048 else 4, PROGS_PER_SM=4, PREFETCH=True)
     conf.update(knobs)
     rows = triton.next_power_of_2(triton.cdiv(T, conf.pop("PROGS_PER_SM") * 132))
     n_prog = triton.cdiv(T, rows)
@@ -86,6 +104,7 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     )
     dg = torch.empty(K, dtype=norm_weight.dtype, device=dev)
     max_p = triton.next_power_of_2(n_prog)
-    _sum_partials_kernel[(triton.cdiv(K, 64),)](part, dg, n_prog, K=K, MAX_P=max_p, BLOCK_P=min(32, max_p), BLOCK_K=64,
+    # [128 partials, 32 columns] per step: few steps per program (a latency chain), K / 32 programs
+    _sum_partials_kernel[(triton.cdiv(K, 32),)](part, dg, n_prog, K=K, MAX_P=max_p, BLOCK_P=min(128, max_p), BLOCK_K=32,
                                                 num_warps=4)
     return dx, dg

@@ -87,12 +87,12 @@ def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
     """Launch knobs (defaults measured on an H200, see BENCHMARKS.md); knobs override (benchmarks, tests)."""
     block_k = 128 if K >= 128 else 64 if K >= 64 else 32
     # SPLIT: rsigma by its own kernel (ROWS tokens per program), then one [32, BLOCK_K] tile per program: no serial
-    # loops in the quantize kernel (H200, 2026-11-30: the fused one-program-per-32-tokens loop is latency-bound:
-    # T = 4096 0.041 vs 0.028 ms, T = 16384 0.092 vs 0.082 ms with 2 warps). Below 2048 tokens the call is host-bound:
-    # one launch.
+    # loops in the quantize kernel. H200, 2026-11-30, GPU time (CUDA-graph replays, scripts/kernel_sweep.py): one
+    # program per 32 tokens 0.037 / 0.089 ms at T = 4096 / 16384; two launches with [32, 64] tiles and one warp
+    # 0.019 / 0.063 ms ([32, 128], 2 warps: 0.023 / 0.079). Below 2048 tokens the call is host-bound: one launch.
     split = T >= 2048
-    conf = dict(BLOCK_K=block_k, num_warps=2 if split else 4, SPLIT=split, ROWS=4, RS_BLOCK_K=512, RS_WARPS=4,
-                EMULATED=interpreter_enabled() or device.type != "cuda")
+    conf = dict(BLOCK_K=min(block_k, 64) if split else block_k, num_warps=1 if split else 4, SPLIT=split, ROWS=4,
+                RS_BLOCK_K=512, RS_WARPS=4, EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
     conf["CHUNK_K"] = conf["BLOCK_K"] if conf["SPLIT"] else K  # columns per program: one tile, or the whole row
     return conf
