@@ -2,9 +2,9 @@
 # One device call per session (device tool, H200): memory-bound kernels vs copy, the layer profile, the benchmark,
 # then the whole test suite compiled on the GPU. Logs and bench.json/png go to $OUT; short tables print last.
 #   STEPS="kernels profile bench tests" TOKENS=1024,4096,16384,65536 bash scripts/session.sh
-# Timings seen on the H200 (2026-11-30): bench at 4 sizes ~85 s, sweep ~30 s, kernels ~8 s, `-m gpu` tests ~45 s;
-# the whole suite compiled no longer fits one 600 s call next to the rest (kernel compiles): run
-# TESTS="-m gpu tests/" in one call and TESTS="tests/test_kernels.py tests/test_qproj_gemm.py ..." in another.
+# Timings seen on the H200 (2026-11-30): bench at 4 sizes ~60-85 s, sweep ~20-30 s, kernels ~8 s, profile ~20 s, host
+# ~10 s, `-m gpu` tests ~30-45 s; compiled test files: test_layer + test_kernels ~230 s, test_qproj_gemm +
+# test_mxfp8_quant + test_tensor + test_compile + test_module ~180 s — the whole suite takes two calls.
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/session_out}; mkdir -p "$OUT"
