@@ -81,6 +81,8 @@ def main() -> None:
         nbytes = T * N * 6 + 2 * T * ROPE * 2
         ref = rope_quant(dq, c, s, fast=False, **kw)
         variants = [("general (gather)", dict(fast=False)), ("fast default", dict(fast=True))]
+        variants.append(("fast fast_scale=0", dict(fast=True, FAST_SCALE=False)))
+        variants.append(("fast fast_scale=1 warps=4", dict(fast=True, FAST_SCALE=True, num_warps=4)))
         for heads, nw, nope_w, ns in [(1, 2, 64, True)]:
             variants.append((f"fast heads={heads} warps={nw} nope_w={nope_w} image_nan_sign={int(ns)}",
                              dict(fast=True, HEADS=heads, num_warps=nw, NOPE_W=nope_w, IMAGE_NAN_SIGN=ns)))

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mla_qproj._config import QProjConfig
+from mla_qproj.kernels._common import image_multipliers_rceil
 from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
 from mla_qproj.kernels.rope_quant import rope_quant
@@ -126,10 +129,12 @@ def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
         slow = rope_quant(y, c, s, mode=mode, columnwise=col, fast=False, **kw)
         for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
             _same_bytes_or_both_nan(a, b, f"{mode} output {i}")
-        if mode == "mxfp8_images":  # default: image codes skip the NaN-sign fix on the GPU; the fixed form too
-            signed = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, IMAGE_NAN_SIGN=True, **kw)
-            for i, (a, b) in enumerate(zip(signed, slow, strict=True)):
-                _same_bytes_or_both_nan(a, b, f"{mode} output {i} (IMAGE_NAN_SIGN=True)")
+        if mode == "mxfp8_images":  # default on the GPU: no NaN-sign fix, multipliers from the amax bits; the others
+            others = [dict(IMAGE_NAN_SIGN=True)] + ([dict(FAST_SCALE=False)] if compiled else [])
+            for kn in others:
+                alt = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, **kn, **kw)
+                for i, (a, b) in enumerate(zip(alt, slow, strict=True)):
+                    _same_bytes_or_both_nan(a, b, f"{mode} output {i} ({kn})")
 
 
 @pytest.mark.parametrize("heads", [2, 4])
@@ -243,3 +248,42 @@ def test_dequantize_columnwise_kernel(T):
 
     _same_bytes_or_both_nan(dequantize_columnwise_bf16(cd, cs), RM.dequantize_columnwise(cd, cs, torch.bfloat16),
                             "xn image")
+
+
+
+@triton.jit
+def _image_multipliers_probe(amax_ptr, r_ptr, s_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    b_r, b_s = image_multipliers_rceil(tl.load(amax_ptr + o, mask=m, other=0.0))
+    tl.store(r_ptr + o, b_r, mask=m)
+    tl.store(s_ptr + o, b_s, mask=m)
+
+
+def test_image_multipliers_rceil():
+    """The GPU image path's (r, s), formed from the amax bits without the scale byte, against SPEC §2 rceil:
+    r = quant_multiplier(byte), s = 2^(byte - 127) for bytes 1..254; byte 0 (every code ±0) and an all-NaN block (every
+    code NaN) give r = 1, s = 0 (the same images). Edges: v = amax / 448 subnormal on both sides of 2^-127, exact
+    powers of two, the 0xFE exponent with and without mantissa, fp32 max, inf, NaN; random magnitudes over the range."""
+    g = torch.Generator().manual_seed(11)
+    inv = torch.tensor(1.0 / 448.0, dtype=torch.float32)
+    v_edges = torch.tensor([0x400000, 0x400001, 0x3FFFFF, 0x7FFFFF, 0x800000, 0x800001, 1, 0x7F000000, 0x7F000001,
+                            0x7F7FFFFF, 0x3F800000, 0x3F800001], dtype=torch.int32).view(torch.float32)
+    amax = torch.cat([
+        torch.tensor([0.0, 448.0, 448.0 * 2.0 ** -20, float(torch.finfo(torch.float32).max), float("inf"),
+                      float("nan"), 1e-45, 2.0 ** -126, 2.0 ** 127]),
+        v_edges / inv, v_edges / inv * (1 + 2.0 ** -23), v_edges / inv * (1 - 2.0 ** -23),
+        torch.rand(400, generator=g) * torch.exp2(torch.randint(-149, 128, (400,), generator=g).float()),
+    ]).abs()
+    amax = amax.to(DEVICE)
+    n = amax.numel()
+    r, s = torch.empty_like(amax), torch.empty_like(amax)
+    _image_multipliers_probe[(1,)](amax, r, s, n, BLOCK=triton.next_power_of_2(n))
+    byte = RM.e8m0_from_amax_rceil(amax).to(torch.int32)
+    mid = (byte >= 1) & (byte <= 254)
+    assert mid.sum() > 300 and (byte == 0).any() and (byte == 255).any() and (byte == 254).any(), "edges not hit"
+    assert_bytes_equal(r[mid], RM.quant_multiplier(byte[mid]), "r for bytes 1..254")
+    assert_bytes_equal(s[mid], RM.e8m0_to_fp32(byte[mid]), "s for bytes 1..254")
+    ends = ~mid
+    assert torch.equal(r[ends], torch.ones_like(r[ends])), "r for byte 0 / 0xFF"
+    assert torch.equal(s[ends], torch.zeros_like(s[ends])), "s for byte 0 / 0xFF"

@@ -186,6 +186,21 @@ def quantize_e4m3(x, byte, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
 
 
 @triton.jit
+def image_multipliers_rceil(amax):
+    """(r, s) of an rceil block straight from its amax, for codes that only become bf16 images (GPU path): the E4M3
+    code is (x * r) rounded and its image code * s, where r = quant_multiplier(byte) and s the decoded scale of
+    byte = e8m0_from_amax_rceil(amax) — without forming the byte. s = 2^(byte - 127) for byte 1..254 (the exponent
+    field rounded up: (bits + 0x7FFFFF) & 0x7F800000, kept at 0xFE as SPEC §2 keeps it); byte 0 (v <= 2^-127: every
+    code is ±0) gives r = 1, s = 0 (the image ±0 as well); an all-NaN block gives r = 1, s = 0 (its codes are NaN);
+    inf gives byte 0xFE. r = 2^(127 - byte) = bits 0x7F000000 - s_bits, the subnormal 2^-127 for byte 0xFE."""
+    vb = (amax * _INV_E4M3_MAX).to(tl.int32, bitcast=True)
+    up = tl.minimum((vb + 0x7FFFFF) & 0x7F800000, 0x7F000000)  # NaN wraps to 0 (int32 add), inf to 0x7F000000
+    s_bits = tl.where(vb < 0x800000, tl.where(vb > 0x400000, 0x800000, 0), up)  # subnormal v: byte 1 iff > 2^-127
+    r_bits = tl.where(s_bits == 0, 0x3F800000, tl.where(s_bits == 0x7F000000, 0x400000, 0x7F000000 - s_bits))
+    return r_bits.to(tl.float32, bitcast=True), s_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def to_bf16(x, EMULATED: tl.constexpr):
     """fp32 -> bf16, round to nearest even (explicit bits in the interpreter, cvt.rn on the GPU)."""
     if EMULATED:

@@ -27,6 +27,7 @@ from ._common import (
     check_pair_tables,
     dequantize_e4m3,
     e8m0_from_amax,
+    image_multipliers_rceil,
     nan_ignoring_amax,
     quantize_e4m3,
     quantize_to_e4m3,
@@ -105,16 +106,29 @@ def _rope_quant_kernel(
 @triton.jit
 def _emit_tile(b_y, o_t, m_t, i_t, col0, out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
                W: tl.constexpr, N: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
-               SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, IMAGE_NAN_SIGN: tl.constexpr):
+               SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, IMAGE_NAN_SIGN: tl.constexpr,
+               FAST_SCALE: tl.constexpr):
     """Store b_y [32 tokens, W] (fp32, W % 32 == 0) at output columns col0 + [0, W): rowwise MXFP8 (one block per
     32 columns) as codes + scales or as the bf16 image, columnwise (one block per column), bf16 or fp32."""
     o_w = tl.arange(0, W)
     o_out = o_t[:, None] * N + col0 + o_w[None, :]
     m = m_t[:, None] & (o_w < W)[None, :]
-    if MODE == "mxfp8" or MODE == "mxfp8_images":
+    NAN_SIGN: tl.constexpr = MODE == "mxfp8" or IMAGE_NAN_SIGN  # codes stored: SPEC §2 NaN sign
+    # images on the GPU, rceil: the code's multiplier and the image's scale straight from the amax (no byte)
+    LEAN: tl.constexpr = MODE == "mxfp8_images" and not NAN_SIGN and not EMULATED and SCALE_MODE == "rceil" and \
+        FAST_SCALE
+    if LEAN:
+        b_y3 = tl.reshape(b_y, [32, W // 32, 32])
+        b_r, b_s = image_multipliers_rceil(amax_nan_ignoring(b_y3, 2, False))  # [32, W // 32]
+        b_img = (b_y3 * b_r[:, :, None]).to(tl.float8e4nv).to(tl.float32) * b_s[:, :, None]  # exact in bf16
+        tl.store(out_ptr + o_out, tl.reshape(b_img, [32, W]).to(tl.bfloat16), mask=m)
+        if COLUMNWISE:
+            b_cr, b_cs = image_multipliers_rceil(amax_nan_ignoring(b_y, 0, False))  # [W]
+            b_cimg = (b_y * b_cr[None, :]).to(tl.float8e4nv).to(tl.float32) * b_cs[None, :]
+            tl.store(col_data_ptr + o_out, b_cimg.to(tl.bfloat16), mask=m)
+    elif MODE == "mxfp8" or MODE == "mxfp8_images":
         b_y3 = tl.reshape(b_y, [32, W // 32, 32])
         b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)  # [32, W // 32]
-        NAN_SIGN: tl.constexpr = MODE == "mxfp8" or IMAGE_NAN_SIGN  # codes stored: SPEC §2 NaN sign
         b_q = quantize_e4m3(b_y3, b_byte[:, :, None], EMULATED, NAN_SIGN)
         if MODE == "mxfp8":
             tl.store(out_ptr + o_out, tl.reshape(b_q, [32, W]), mask=m)
@@ -147,7 +161,7 @@ def _rope_quant_fast_kernel(
     H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
     STYLE: tl.constexpr, INVERSE: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
     SCALE_MODE: tl.constexpr, HEADS: tl.constexpr, NOPE_W: tl.constexpr, EMULATED: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, IMAGE_NAN_SIGN: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, IMAGE_NAN_SIGN: tl.constexpr, FAST_SCALE: tl.constexpr,
 ):
     """One program per (32 tokens, HEADS heads). Pairs (x1, x2) -> forward (x1 c - x2 s, x2 c + x1 s), inverse
     (x1 c + x2 s, x2 c - x1 s), each product rounded before the sum (launched with FMA contraction off), the
@@ -178,13 +192,13 @@ def _rope_quant_fast_kernel(
             o_w = j * NOPE_W + tl.arange(0, NOPE_W)
             b_x = tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
             _emit_tile(b_x, o_t, m_t, i_t, i_h * D + j * NOPE_W, out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
-                       NOPE_W, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN)
+                       NOPE_W, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN, FAST_SCALE)
         # trailing pass-through columns [NOPE + R, D): [32, 32] tiles
         for j in tl.static_range((D - NOPE - R) // 32):
             o_w = NOPE + R + j * 32 + o_32
             b_x = tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
             _emit_tile(b_x, o_t, m_t, i_t, i_h * D + NOPE + R + j * 32, out_ptr, row_scale_ptr, col_data_ptr,
-                       col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN)
+                       col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN, FAST_SCALE)
         # rope columns: chunks of 32 pairs
         for c in tl.static_range(NC):
             if SHARED_CS:
@@ -210,12 +224,13 @@ def _rope_quant_fast_kernel(
             if OUT_IL:
                 b_yo = tl.reshape(tl.join(b_y1, b_y2), [32, 64])
                 _emit_tile(b_yo, o_t, m_t, i_t, i_h * D + NOPE + c * 64, out_ptr, row_scale_ptr, col_data_ptr,
-                           col_scale_ptr, 64, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN)
+                           col_scale_ptr, 64, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN, FAST_SCALE)
             else:
                 _emit_tile(b_y1, o_t, m_t, i_t, i_h * D + NOPE + c * 32, out_ptr, row_scale_ptr, col_data_ptr,
-                           col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN)
+                           col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN, FAST_SCALE)
                 _emit_tile(b_y2, o_t, m_t, i_t, i_h * D + NOPE + HALF + c * 32, out_ptr, row_scale_ptr,
-                           col_data_ptr, col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN)
+                           col_data_ptr, col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN,
+                           FAST_SCALE)
 
 
 def fast_path_supported(qk_head_dim: int, rope_dim: int, head_dim: int) -> bool:
@@ -232,7 +247,8 @@ def _fast_launch(qk_head_dim: int, device: torch.device, **knobs) -> dict:
     # several heads per program ran 1.2-4x slower (registers), the emulated rounding 6x slower.
     # IMAGE_NAN_SIGN=False (mxfp8_images only): codes that only become bf16 images skip the NaN-sign fix (the image
     # is NaN either way): 232 -> 80 registers, ~30 % fewer instructions, 1.02 -> 0.745 ms (0.56 -> 0.77 of copy)
-    conf = dict(HEADS=1, NOPE_W=nope_w, num_warps=2, HEAD_MAJOR=True, IMAGE_NAN_SIGN=False,
+    # FAST_SCALE (GPU, rceil images): the multipliers from the amax bits directly (`image_multipliers_rceil`)
+    conf = dict(HEADS=1, NOPE_W=nope_w, num_warps=2, HEAD_MAJOR=True, IMAGE_NAN_SIGN=False, FAST_SCALE=True,
                 EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
     return conf
