@@ -287,3 +287,24 @@ def test_image_multipliers_rceil():
     ends = ~mid
     assert torch.equal(r[ends], torch.ones_like(r[ends])), "r for byte 0 / 0xFF"
     assert torch.equal(s[ends], torch.zeros_like(s[ends])), "s for byte 0 / 0xFF"
+
+
+def test_rope_quant_table_checks():
+    """Pair tables reach the kernels only as [T, R/2] float views with a unit inner stride, shared by cos and sin."""
+    T, H, nope, R, D = 5, 2, 32, 64, 96
+    y = torch.randn(T, H * D, device=DEVICE)
+    c = torch.rand(T, R, device=DEVICE)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style="deepseek", inverse=False,
+              mode="fp32", columnwise=False, scale_mode="rceil")
+    half = c[:, : R // 2]  # a strided view: accepted as is
+    (out,) = rope_quant(y, half, half, **kw)
+    (ref,) = rope_quant(y, half.contiguous(), half.contiguous(), **kw)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="cos_h"):
+        rope_quant(y, half[:-1], half[:-1], **kw)  # T - 1 rows
+    with pytest.raises(ValueError, match="unit inner stride"):
+        rope_quant(y, c[:, ::2], c[:, ::2], **kw)
+    with pytest.raises(ValueError, match="share"):
+        rope_quant(y, half, half.contiguous(), **kw)
+    with pytest.raises(TypeError, match="cos_h"):
+        rope_quant(y, half.double(), half.double(), **kw)

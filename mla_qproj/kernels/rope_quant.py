@@ -268,6 +268,8 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
     T, N = y2d.shape
     dev = y2d.device
     check_pair_tables(cos_h, sin_h)
+    if tuple(cos_h.shape) != (T, rope_dim // 2):
+        raise ValueError(f"cos_h / sin_h must be [T, rope_dim / 2] = {(T, rope_dim // 2)}, got {tuple(cos_h.shape)}")
     mx = mode == "mxfp8"
     e = torch.empty
     if mode == "mxfp8":
