@@ -13,6 +13,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, m_k):
+    """x, dxn ([rows, BLOCK_K], their own dtypes; 0 where masked) and rsigma ([rows]) of token rows o_t."""
+    m = m_t[:, None] & m_k[None, :]
+    b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0)
+    b_dxn = tl.load(dxn_ptr + o_t[:, None] * stride_dxn + o_k[None, :], mask=m, other=0.0)
+    return b_x, b_dxn, tl.load(rsigma_ptr + o_t, mask=m_t, other=0.0)
+
+
+@triton.jit
 def _rmsnorm_bwd_kernel(
     dxn_ptr, stride_dxn, x_ptr, stride_x, rsigma_ptr, w_ptr, dx_ptr, dw_part_ptr,
     T,
@@ -31,34 +40,26 @@ def _rmsnorm_bwd_kernel(
     # PREFETCH: the next step's x / dxn / rsigma are loaded before this step's reduction and store (a register
     # double buffer: Triton pipelines no loads outside dot loops, and each step waits on a reduction)
     o_t = i_p * ROWS_PER_PROG + tl.arange(0, ROWS)
-    m_t = o_t < T
-    m = m_t[:, None] & m_k[None, :]
-    b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0)
-    b_dxn = tl.load(dxn_ptr + o_t[:, None] * stride_dxn + o_k[None, :], mask=m, other=0.0)
-    b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=0.0)
+    if PREFETCH:
+        b_x, b_dxn, b_rs = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, o_t < T, o_k, m_k)
     for r in range(0, ROWS_PER_PROG, ROWS):
+        m_t = o_t < T
         if PREFETCH:
             o_n = o_t + ROWS
-            m_n = (o_n < T) & (r + ROWS < ROWS_PER_PROG)
-            mn = m_n[:, None] & m_k[None, :]
-            b_x_n = tl.load(x_ptr + o_n[:, None] * stride_x + o_k[None, :], mask=mn, other=0.0)
-            b_dxn_n = tl.load(dxn_ptr + o_n[:, None] * stride_dxn + o_k[None, :], mask=mn, other=0.0)
-            b_rs_n = tl.load(rsigma_ptr + o_n, mask=m_n, other=0.0)
+            b_x_n, b_dxn_n, b_rs_n = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_n,
+                                                (o_n < T) & (r + ROWS < ROWS_PER_PROG), o_k, m_k)
+        else:
+            b_x, b_dxn, b_rs = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, m_k)
         b_xhat = b_x.to(tl.float32) * b_rs[:, None]
         b_dxhat = b_dxn.to(tl.float32) * b_g[None, :]
         b_c = tl.sum(b_dxhat * b_xhat, axis=1) / K  # [ROWS]
         b_dx = b_rs[:, None] * (b_dxhat - b_xhat * b_c[:, None])
-        tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty),
+                 mask=m_t[:, None] & m_k[None, :])
         b_dw += b_dxn.to(tl.float32) * b_xhat
-        o_t = o_t + ROWS
-        m_t = o_t < T
-        m = m_t[:, None] & m_k[None, :]
         if PREFETCH:
             b_x, b_dxn, b_rs = b_x_n, b_dxn_n, b_rs_n
-        else:
-            b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0)
-            b_dxn = tl.load(dxn_ptr + o_t[:, None] * stride_dxn + o_k[None, :], mask=m, other=0.0)
-            b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=0.0)
+        o_t = o_t + ROWS
     tl.store(dw_part_ptr + i_p * K + o_k, tl.sum(b_dw, axis=0), mask=m_k)
 
 
