@@ -29,7 +29,7 @@ def _bench(fn) -> float:
 _FLUSH: list = []
 
 
-def _graph_ms(fn, n: int = 20) -> float:
+def graph_ms(fn, n: int = 20) -> float:
     """GPU ms per call: a CUDA graph of n x (256 MB L2 flush, fn) minus one of n flushes, median of 7 replays."""
     if not _FLUSH:
         _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device="cuda"))
@@ -89,7 +89,7 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
     rs = torch.rand(T, device=dev) + 0.5
     out.append(("RMSNorm backward", T * K * (4 + 2 + 2) + 4 * T,
                 lambda: rmsnorm_bwd(dxn, x, rs, g, False)))
-    return [(name, nbytes, _bench(fn), _graph_ms(fn)) for name, nbytes, fn in out]
+    return [(name, nbytes, _bench(fn), graph_ms(fn)) for name, nbytes, fn in out]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,33 +9,23 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mla_qproj import FusedMLAQUpProjection  # noqa: E402
+from profile_layer import NOPE, ROPE, H, host_and_wall_ms, make  # noqa: E402
 
-K, H, NOPE, ROPE, T = 1536, 128, 128, 64, 4096
+T = 4096
 
 
 def main() -> None:
-    layer = FusedMLAQUpProjection(K, H, NOPE, ROPE, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ang = torch.arange(T, device="cuda").float()[:, None] * layer.inv_freq
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    layer, x, _, cos, sin = make(T)
     dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
     for name, step in (("fwd", lambda: layer(x.detach(), cos, sin)),
                        ("fwd+bwd", lambda: layer(x, cos, sin).backward(dy))):
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        print(f"{name}: host {1e3 * (t1 - t0) / 20:.3f} ms/step, wall {1e3 * (time.perf_counter() - t0) / 20:.3f}")
+        host, wall = host_and_wall_ms(step, warmup=5)
+        print(f"{name}: host {host:.3f} ms/step, wall {wall:.3f}")
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(20):

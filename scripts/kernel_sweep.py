@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mla_qproj.bench_kernels import _graph_ms  # noqa: E402
+from mla_qproj.bench_kernels import graph_ms  # noqa: E402
 from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16  # noqa: E402
 from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd  # noqa: E402
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd  # noqa: E402
@@ -50,7 +50,7 @@ def read1_write2(x, o1, o2, W, num_warps):
 def bench(fn) -> float:
     """GPU time per call (CUDA graph replay after an L2 flush, flushes subtracted): knob choices by kernel time, not by
     the host's launch speed, which differs between machines."""
-    return _graph_ms(fn)
+    return graph_ms(fn)
 
 
 def same(a, b) -> bool:

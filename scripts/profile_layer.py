@@ -15,10 +15,26 @@ K, H, NOPE, ROPE = 1536, 128, 128, 64
 
 
 def make(T, **kw):
+    """(layer, x [T, K] requiring grad, positions, HF cos/sin [T, R] fp32 built from the layer's frequencies)."""
     layer = FusedMLAQUpProjection(K, H, NOPE, ROPE, device="cuda", dtype=torch.bfloat16, **kw)
     x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(T, device="cuda")
-    return layer, x, pos
+    ang = pos.float()[:, None] * layer.inv_freq
+    emb = torch.cat([ang, ang], -1)  # HF layout, as bench.py
+    return layer, x, pos, emb.cos(), emb.sin()
+
+
+def host_and_wall_ms(fn, n: int = 20, warmup: int = 3) -> tuple[float, float]:
+    """(host ms per call: the launch loop without a sync, wall ms per call: until the GPU is done)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e3 * (t1 - t0) / n, 1e3 * (time.perf_counter() - t0) / n
 
 
 def backward_4096():
@@ -29,9 +45,7 @@ def backward_4096():
     from mla_qproj import backend
 
     T = 4096
-    layer, x, pos = make(T)
-    ang = pos.float()[:, None] * layer.inv_freq
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    layer, x, _, cos, sin = make(T)
     dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
 
     def step():
@@ -39,18 +53,10 @@ def backward_4096():
 
     for direct in (False, True, False, True):  # twice each, alternating: order effects show
         backend.DW_BF16_DIRECT = direct
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            step()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        host, wall = host_and_wall_ms(step)
         ms = do_bench(step, warmup=10, rep=50, return_mode="median")
-        print(f"T={T} fwd+bwd dW_bf16_direct={direct}: host {1e3 * (t1 - t0) / 20:.3f} ms/call, wall "
-              f"{1e3 * (t2 - t0) / 20:.3f} ms/call, do_bench {ms:.3f} ms")
+        print(f"T={T} fwd+bwd dW_bf16_direct={direct}: host {host:.3f} ms/call, wall {wall:.3f} ms/call, "
+              f"do_bench {ms:.3f} ms")
     backend.DW_BF16_DIRECT = True
     a = torch.randn(T, H * (NOPE + ROPE), device="cuda").to(torch.bfloat16).t()
     b = torch.randn(T, K, device="cuda").to(torch.bfloat16)
@@ -61,15 +67,9 @@ def backward_4096():
     m.allow_bf16_reduced_precision_reduction = True
     forms["bf16 out, torch default flags"] = lambda: torch.mm(a, b, out=out)
     for name, fn in forms.items():
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(100):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        host, _ = host_and_wall_ms(fn, n=100, warmup=1)
         gpu = do_bench(fn, warmup=10, rep=50, return_mode="median")
-        print(f"T={T} wgrad GEMM {name}: {gpu:.3f} ms GPU, host {1e3 * (t1 - t0) / 100:.3f} ms/call")
+        print(f"T={T} wgrad GEMM {name}: {gpu:.3f} ms GPU, host {host:.3f} ms/call")
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             step()
@@ -83,7 +83,7 @@ def backward_4096():
 def main():
     backward_4096()
     for T in (16384,):
-        layer, x, pos = make(T)
+        layer, x, pos, _, _ = make(T)
         dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
             layer(x, position_ids=pos).backward(dy)
@@ -95,30 +95,19 @@ def main():
         print(f"=== T={T} fwd+bwd, 5 iterations")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     for T in (1024, 4096):
-        layer, x, pos = make(T)
-        ang = pos.float()[:, None] * layer.inv_freq
-        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()  # HF layout, as bench.py
+        layer, x, pos, cos, sin = make(T)
         for name, call in (("position_ids", lambda: layer(x, position_ids=pos)),  # noqa: B023
                            ("cos/sin [T, 64] fp32", lambda: layer(x, cos, sin))):  # noqa: B023
             with torch.no_grad():
-                for _ in range(5):
-                    call()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    call()
-                t1 = time.perf_counter()
-                torch.cuda.synchronize()
-                t2 = time.perf_counter()
-            print(f"T={T} forward ({name}): host {1e3 * (t1 - t0) / 50:.3f} ms/call, "
-                  f"wall {1e3 * (t2 - t0) / 50:.3f} ms/call")
+                host, wall = host_and_wall_ms(call, n=50, warmup=5)
+            print(f"T={T} forward ({name}): host {host:.3f} ms/call, wall {wall:.3f} ms/call")
         with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 layer(x, cos, sin)
             torch.cuda.synchronize()
         print(f"=== T={T} forward (cos/sin given), 10 calls: GPU kernels")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    layer, x, pos = make(1024)
+    layer, x, pos, _, _ = make(1024)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(20):
             layer(x, position_ids=pos)
