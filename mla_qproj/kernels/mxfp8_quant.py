@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .._constants import MX_BLOCK
-from ._common import e8m0_from_amax, nan_ignoring_amax, quantize_to_e4m3
+from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3
 
 
 @triton.jit
@@ -81,8 +81,7 @@ def _dequant_colwise_kernel(data_ptr, scale_ptr, out_ptr, T, N, BLOCK_N: tl.cons
     b_q = tl.load(data_ptr + o_t[:, None] * N + o_n[None, :], mask=m, other=0.0)
     b_byte = tl.load(scale_ptr + i_t * N + o_n, mask=m_n, other=127).to(tl.int32)
     # 2^(byte - 127), NaN for byte 0xFF (SPEC §2); byte 0 decodes to the subnormal 2^-127
-    b_pow = (tl.maximum(b_byte, 1) << 23).to(tl.float32, bitcast=True)
-    b_s = tl.where(b_byte == 0xFF, float("nan"), tl.where(b_byte == 0, 5.877471754111438e-39, b_pow))
+    b_s = tl.where(b_byte == 0xFF, float("nan"), tl.where(b_byte == 0, 5.877471754111438e-39, e8m0_to_fp32(b_byte)))
     b_v = b_q.to(tl.float32) * b_s[None, :]
     # the interpreter decodes the E4M3 NaN code as 480: keep NaN a NaN (with its sign) explicitly
     b_code = b_q.to(tl.uint8, bitcast=True)
