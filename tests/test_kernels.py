@@ -138,10 +138,9 @@ def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
 
 
 @pytest.mark.parametrize("heads", [2, 4])
-@pytest.mark.parametrize("R", [64, 128], ids=["shared_cos_sin", "per_chunk_cos_sin"])
+@pytest.mark.parametrize("R", [64, 128], ids=["one_rope_chunk", "two_rope_chunks"])
 def test_rope_fast_kernel_heads_per_program(heads, R):
-    """Several heads per program (a runtime loop; with R/2 == 32 the cos/sin chunk is loaded once for all of them)
-    give the bytes of one head per program."""
+    """Several heads per program (a runtime loop over the heads) give the bytes of one head per program."""
     H, nope, D, T = 4, 32, 32 + R, 45
     g = torch.Generator().manual_seed(3)
     y = (torch.randn(T, H * D, generator=g) * 5).to(DEVICE)

@@ -178,12 +178,6 @@ def _rope_quant_fast_kernel(
     o_t = i_t * 32 + tl.arange(0, 32)
     m_t = o_t < T
     o_32 = tl.arange(0, 32)
-    NC: tl.constexpr = HALF // 32  # chunks of 32 pairs
-    SHARED_CS: tl.constexpr = NC == 1 and HEADS > 1
-    if SHARED_CS:  # one [32 tokens, 32 pairs] cos/sin chunk: loaded once for the program's HEADS heads
-        o_cs = o_t[:, None] * stride_cs + o_32[None, :]
-        b_c1 = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0).to(tl.float32)
-        b_s1 = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0).to(tl.float32)
     for hh in range(HEADS):  # a runtime loop: one head's tiles are live at a time
         i_h = i_g * HEADS + hh
         p_y = y_ptr + o_t[:, None] * stride_y + i_h * D  # [32, 1] row starts of this head
@@ -200,13 +194,10 @@ def _rope_quant_fast_kernel(
             _emit_tile(b_x, o_t, m_t, i_t, i_h * D + NOPE + R + j * 32, out_ptr, row_scale_ptr, col_data_ptr,
                        col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN, FAST_SCALE)
         # rope columns: chunks of 32 pairs
-        for c in tl.static_range(NC):
-            if SHARED_CS:
-                b_c, b_s = b_c1, b_s1
-            else:
-                o_cs = o_t[:, None] * stride_cs + c * 32 + o_32[None, :]
-                b_c = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0).to(tl.float32)
-                b_s = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0).to(tl.float32)
+        for c in tl.static_range(HALF // 32):
+            o_cs = o_t[:, None] * stride_cs + c * 32 + o_32[None, :]
+            b_c = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0).to(tl.float32)
+            b_s = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0).to(tl.float32)
             if IN_IL:
                 o_in = NOPE + c * 64 + tl.arange(0, 64)
                 b_in = tl.load(p_y + o_in[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
