@@ -26,7 +26,6 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not
 from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
     _column_maps,
     fused_gemm_supported,
-    join_store_supported,
     prepare_fused_weight,
     qproj_gemm_fwd,
     tma_store_supported,
@@ -135,56 +134,6 @@ def test_tma_store_epilogue(style, fmt, col, P, device):
     _check(out, ref, cfg)
     assert not tma_store_supported(_cfg(64, 3, 96, 64, 160))  # pass-through halves would straddle heads
     assert not tma_store_supported(_cfg(64, 3, 128, 64, 192, style="gptj", fmt="bf16"))  # interleaved halves
-
-
-@pytest.mark.parametrize("style", ["deepseek", "neox"])
-@pytest.mark.parametrize("P,R", [(128, 64), (256, 64), (0, 128), (128, 128)])
-def test_join_store_epilogue(style, P, R, device):
-    """JOIN_STORE (both halves of a tile in one TMA store): the same bytes as the per-half pointer stores and the
-    reference's codes; boxes past the last head (padding pairs / pass-through columns) are clipped by TMA."""
-    cfg = _cfg(64, 3, P, R, P + R, style=style)
-    assert join_store_supported(cfg)
-    a, w, cos_h, sin_h, ref = _case(45, cfg, device)
-    wp = prepare_fused_weight(w, cfg)
-    out = qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, TMA_STORE=True, JOIN_STORE=True)
-    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, TMA_STORE=False), strict=True)):
-        if b is not None:
-            assert_bytes_equal(o, b, f"JOIN_STORE output {i}")
-    _check(out, ref, cfg)
-
-
-PACK4_CASES = [(st, fmt, col, tma) for st, fmt, col in (("deepseek", "mxfp8", False), ("gptj", "mxfp8", True),
-                                                        ("neox", "bf16", False), ("deepseek", "mxfp8", True))
-               for tma in (False, True) if not (tma and st == "gptj")]  # TMA_STORE does not cover gptj
-
-
-@pytest.mark.parametrize("style,fmt,col,tma", PACK4_CASES)
-def test_pack4_weight_order(style, fmt, col, tma, device):
-    """PACK4 (W' rows permuted inside 16-row groups, undone on the accumulator in registers): the same bytes as the
-    plain order, for every output form; T not a multiple of the tile."""
-    cfg = _cfg(64, 3, 128, 64, 192, style=style, fmt=fmt, col=col)
-    a, w, cos_h, sin_h, ref = _case(45, cfg, device)
-    knobs = dict(TMA_STORE=tma, FLATTEN=not (tma and fmt == "bf16"))
-    out = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg, pack4=True), cos_h, sin_h, cfg, PACK4=True, **knobs)
-    plain = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg, pack4=False), cos_h, sin_h, cfg, PACK4=False, **knobs)
-    for i, (o, b) in enumerate(zip(out, plain, strict=True)):
-        if b is not None:
-            assert_bytes_equal(o, b, f"PACK4 output {i}")
-    _check(out, ref, cfg)
-    src, dst = _column_maps(cfg, pack4=True)
-    src0, dst0 = _column_maps(cfg, pack4=False)
-    assert torch.equal(src.view(-1, 16).sort(1).values, src0.view(-1, 16).sort(1).values)  # inside 16-row groups
-    assert not torch.equal(src, src0) and torch.equal(src[dst >= 0].sort().values, src0[dst0 >= 0].sort().values)
-
-
-def test_join_store_geometries():
-    assert not join_store_supported(_cfg(64, 3, 384, 64, 448))  # a pass-through tile would span two heads' parts
-    assert not join_store_supported(_cfg(64, 3, 128, 64, 192, col=True))  # columnwise: two more staging buffers
-    assert not join_store_supported(_cfg(64, 3, 128, 64, 192, fmt="bf16"))  # bf16: a 64 KiB staging buffer
-    with pytest.raises(ValueError, match="JOIN_STORE"):
-        cfg = _cfg(64, 3, 128, 64, 192, col=True)
-        a, w, cos_h, sin_h, _ = _case(4, cfg, "cpu")
-        qproj_gemm_fwd(a, prepare_fused_weight(w, cfg), cos_h, sin_h, cfg, TMA_STORE=True, JOIN_STORE=True)
 
 
 @pytest.mark.parametrize("name", list(AWKWARD))

@@ -45,13 +45,9 @@ BLOCK_N = 256  # rows of W' per tile (two halves); fixed because `prepare_fused_
 # (encoded on the host at every launch) cost more than the faster stores save
 TMA_STORE_MIN_T = 8192
 HALF_N = BLOCK_N // 2
-# W' rows permuted inside 16-row groups so that each lane of the wgmma accumulator holds 4 contiguous output columns
-# (`_pack4_order` / `_unpack4`): the E4M3 codes are staged in shared memory as 32-bit words
-PACK4 = False
 _MX = 32
 
-__all__ = ["fused_gemm_supported", "prepare_fused_weight", "qproj_gemm_fwd", "fused_layout", "tma_store_supported",
-           "join_store_supported"]
+__all__ = ["fused_gemm_supported", "prepare_fused_weight", "qproj_gemm_fwd", "fused_layout", "tma_store_supported"]
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -81,15 +77,6 @@ def fused_gemm_supported(cfg: QProjConfig) -> bool:
     return P % _MX == 0 and RH % (16 if cfg.rope_style == "gptj" else _MX) == 0
 
 
-def join_store_supported(cfg: QProjConfig) -> bool:
-    """TMA_STORE geometries whose tiles are each one box of the output (JOIN_STORE: one store per tile): MXFP8
-    rowwise only (the [BLOCK_M, 256] fp8 staging buffer), a pass-through tile within one head (P % 256 == 0) or
-    spanning two heads' whole pass-through (P == 128), rope boxes at most 256 columns wide (R <= 256)."""
-    P, R = cfg.qk_head_dim, cfg.rope_dim
-    return (tma_store_supported(cfg) and cfg.output_format == "mxfp8" and not cfg.columnwise_output
-            and (P == HALF_N or P % BLOCK_N == 0) and R <= 256)
-
-
 def tma_store_supported(cfg: QProjConfig) -> bool:
     """Output halves are boxes of the [T, H, D] output: P % 128 == 0, no trailing pass-through, 128 % (R/2) == 0,
     rows of >= 16 bytes (TMA); deepseek / neox only (gptj interleaves the two halves in the output)."""
@@ -108,18 +95,9 @@ def fused_layout(cfg: QProjConfig) -> tuple[int, int, int]:
     return nt_pass, nt_rope, (nt_pass + nt_rope) * BLOCK_N
 
 
-def _pack4_order(rows: int) -> torch.Tensor:
-    """Row a = 16g + 8h + 2q + e of a PACK4 W' holds row 16g + 4q + 2h + e of the plain order (`_unpack4` in the
-    kernel undoes it on the accumulator): a permutation inside every 16-row group."""
-    g, h, q, e = torch.meshgrid(torch.arange(rows // 16), torch.arange(2), torch.arange(4), torch.arange(2),
-                                indexing="ij")
-    return (16 * g + 4 * q + 2 * h + e).flatten()
-
-
-def _column_maps(cfg: QProjConfig, pack4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _column_maps(cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Host twin of the kernel's column maps: for every row of W' (= kernel column), the source row of W and
-    the output column it lands on after RoPE; -1 for padding. Used by `prepare_fused_weight` and the tests.
-    pack4: the rows in the PACK4 order (the kernel's `_unpack4` restores the plain order on the accumulator)."""
+    the output column it lands on after RoPE; -1 for padding. Used by `prepare_fused_weight` and the tests."""
     H, D, P, R = cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim
     RH, PW = R // 2, D - R
     nt_pass, nt_rope, n_rows = fused_layout(cfg)
@@ -152,23 +130,17 @@ def _column_maps(cfg: QProjConfig, pack4: bool = False) -> tuple[torch.Tensor, t
                 o = head * D + P + i + half * RH
             src.append(torch.where(valid, s, -1))
             out.append(torch.where(valid, o, -1))
-    src, out = torch.cat(src), torch.cat(out)
-    if pack4:
-        order = _pack4_order(n_rows)
-        src, out = src[order], out[order]
-    return src, out
+    return torch.cat(src), torch.cat(out)
 
 
-def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig, pack4: bool | None = None) -> torch.Tensor:
+def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig) -> torch.Tensor:
     """W [H·D, K] bf16 -> W' [rows, K] bf16 in the kernel's column order (an exact row permutation, zero rows as
-    padding). Call once per weight version; the result only feeds `qproj_gemm_fwd` with the same cfg and the same
-    PACK4 launch knob (default `PACK4` for both)."""
-    pack4 = PACK4 if pack4 is None else pack4
+    padding). Call once per weight version; the result only feeds `qproj_gemm_fwd` with the same cfg."""
     if not isinstance(w_bf16, torch.Tensor) or w_bf16.dtype != torch.bfloat16:
         raise TypeError(f"w_bf16 must be a bfloat16 tensor, got {getattr(w_bf16, 'dtype', type(w_bf16))}")
     if w_bf16.shape != (cfg.out_features, cfg.q_lora_rank):
         raise ValueError(f"w_bf16 must have shape {(cfg.out_features, cfg.q_lora_rank)}, got {tuple(w_bf16.shape)}")
-    src, _ = _column_maps(cfg, pack4)
+    src, _ = _column_maps(cfg)
     src = src.to(w_bf16.device)
     w = torch.cat([w_bf16, w_bf16.new_zeros(1, w_bf16.shape[1])])  # row -1 -> the zero row
     return w[src].contiguous()
@@ -241,47 +213,6 @@ def _tma_store_half(desc_pass, desc_rope, b_v, i_m, i_n, HALF: tl.constexpr, BLO
 
 
 @triton.jit
-def _quant_rows(b_y, BLOCK_M: tl.constexpr, HB: tl.constexpr, SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr):
-    """One half b_y [BLOCK_M, HB] fp32 -> (E4M3 codes [BLOCK_M, HB], E8M0 scale bytes [BLOCK_M, HB // 32])."""
-    b_y3 = tl.reshape(b_y, [BLOCK_M, HB // 32, 32])
-    b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)
-    b_q = tl.reshape(quantize_e4m3(b_y3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
-    return b_q, b_byte
-
-
-@triton.jit
-def _tma_store_tile(desc_pass, desc_rope, q_lo, q_hi, i_m, i_n, BLOCK_M: tl.constexpr, HB: tl.constexpr,
-                    P: tl.constexpr, R: tl.constexpr, NT_PASS: tl.constexpr):
-    """Store both halves of a tile with one TMA store (JOIN_STORE geometries, `join_store_supported`): a
-    pass-through tile is 2·HB contiguous columns of one head (P % (2·HB) == 0, box [BLOCK_M, 1, 2·HB]) or of
-    two heads (P == HB, box [BLOCK_M, 2, HB]); a rope tile is the R rope columns of HB / (R/2) heads (box
-    [BLOCK_M, HB / (R/2), R]: lo -> the first R/2 columns of each head, hi -> the last R/2)."""
-    t0 = i_m * BLOCK_M
-    if NT_PASS == 0:  # no pass-through tiles (no pass descriptor): the pass branch is not compiled at all
-        _tma_store_rope_tile(desc_rope, q_lo, q_hi, t0, i_n, HB, P, R, NT_PASS)
-    elif i_n < NT_PASS:
-        c = i_n * (2 * HB)
-        b_p = tl.permute(tl.join(q_lo, q_hi), (0, 2, 1))  # [BLOCK_M, 2, HB]: [lo | hi]
-        if P % (2 * HB) == 0:
-            desc_pass.store([t0, c // P, c % P], tl.reshape(b_p, [BLOCK_M, 1, 2 * HB]))
-        else:
-            desc_pass.store([t0, c // P, 0], b_p)
-    else:
-        _tma_store_rope_tile(desc_rope, q_lo, q_hi, t0, i_n, HB, P, R, NT_PASS)
-
-
-@triton.jit
-def _tma_store_rope_tile(desc_rope, q_lo, q_hi, t0, i_n, HB: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-                         NT_PASS: tl.constexpr):
-    RH: tl.constexpr = R // 2
-    BLOCK_M: tl.constexpr = q_lo.shape[0]
-    b_l3 = tl.reshape(q_lo, [BLOCK_M, HB // RH, RH])
-    b_h3 = tl.reshape(q_hi, [BLOCK_M, HB // RH, RH])
-    b_r = tl.reshape(tl.permute(tl.join(b_l3, b_h3), (0, 1, 3, 2)), [BLOCK_M, HB // RH, R])
-    desc_rope.store([t0, (i_n - NT_PASS) * HB // RH, P], b_r)
-
-
-@triton.jit
 def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
                 HALF: tl.constexpr,
                 BLOCK_M: tl.constexpr, HB: tl.constexpr, H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
@@ -302,7 +233,9 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
     else:
         tl.static_assert(OUT_FORMAT == "mxfp8")
         if not PAIRED:
-            b_q, b_byte = _quant_rows(b_y, BLOCK_M, HB, SCALE_MODE, EMULATED)
+            b_y3 = tl.reshape(b_y, [BLOCK_M, HB // 32, 32])
+            b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)  # [BLOCK_M, HB // 32]
+            b_q = tl.reshape(quantize_e4m3(b_y3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
             if TMA_STORE:
                 _tma_store_half(yd_pass, yd_rope, b_q, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
@@ -339,18 +272,8 @@ def _tile_coords(tile, num_m, NT_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _unpack4(b):
-    """[M, N] accumulator columns a = 16g + 8h + 2q + e -> tensor column 16g + 4q + 2h + e. In the wgmma accumulator
-    layout lane q of a quad holds columns 8k + 2q + {0, 1}, so after this register renaming it holds 4 contiguous
-    columns per 16: the E4M3 codes leave as 32-bit words (stmatrix) instead of 16-bit shared-memory stores."""
-    M: tl.constexpr = b.shape[0]
-    N: tl.constexpr = b.shape[1]
-    return tl.reshape(tl.permute(tl.reshape(b, [M, N // 16, 2, 4, 2]), (0, 1, 3, 2, 4)), [M, N])
-
-
-@triton.jit
 def _mainloop(a_desc, w_desc, i_m, i_n, K: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr,
-              BLOCK_K: tl.constexpr, TWO_DOTS: tl.constexpr, DOT_F32: tl.constexpr, PACK4: tl.constexpr):
+              BLOCK_K: tl.constexpr, TWO_DOTS: tl.constexpr, DOT_F32: tl.constexpr):
     """(lo, hi) = A[i_m] · W'[i_n]ᵀ, the two [BLOCK_M, HB] halves, fp32."""
     o_am = i_m * BLOCK_M
     o_wn = i_n * (2 * HB)
@@ -381,9 +304,6 @@ def _mainloop(a_desc, w_desc, i_m, i_n, K: tl.constexpr, BLOCK_M: tl.constexpr, 
                 b_acc = tl.dot(b_a, b_w.T, b_acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, 2 * HB]
     if not TWO_DOTS:
         b_lo, b_hi = tl.split(tl.permute(tl.reshape(b_acc, [BLOCK_M, 2, HB]), (0, 2, 1)))
-    if PACK4:  # W' rows were permuted inside 16-row groups (`_pack4_order`): undo it on the accumulator
-        b_lo = _unpack4(b_lo)
-        b_hi = _unpack4(b_hi)
     return b_lo, b_hi
 
 
@@ -393,8 +313,7 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
               H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
               PAIRED: tl.constexpr, SEG: tl.constexpr, OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr,
               SCALE_MODE: tl.constexpr, NT_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr,
-              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr,
-              JOIN_STORE: tl.constexpr):
+              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr):
     """RoPE on a rope tile's halves, then bf16 / MXFP8 stores of both halves."""
     RH: tl.constexpr = R // 2
     o_t = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows, int64 offsets
@@ -435,19 +354,12 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
         tl.store(y_ptr + o_t[:, None] * N + o_l[None, :], b_ql, mask=m_t[:, None] & m_l[None, :])
         tl.store(y_ptr + o_t[:, None] * N + o_h[None, :], b_qh, mask=m_t[:, None] & m_h[None, :])
         _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 16, 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-    if JOIN_STORE:  # MXFP8 rowwise only: both halves' codes in one TMA store (one staging buffer, one wait)
-        q_lo, s_lo = _quant_rows(b_lo, BLOCK_M, HB, SCALE_MODE, EMULATED)
-        q_hi, s_hi = _quant_rows(b_hi, BLOCK_M, HB, SCALE_MODE, EMULATED)
-        _tma_store_tile(yd_pass, yd_rope, q_lo, q_hi, i_m, i_n, BLOCK_M, HB, P, R, NT_PASS)
-        _store_rowwise_scale(rs_ptr, s_lo, o_t, m_t, i_n, 32, 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-        _store_rowwise_scale(rs_ptr, s_hi, o_t, m_t, i_n, 32, 1, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-    else:
-        _store_half(b_lo, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope,
-                    T, 0, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE,
-                    EMULATED, TMA_STORE)
-        _store_half(b_hi, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope,
-                    T, 1, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE,
-                    EMULATED, TMA_STORE)
+    _store_half(b_lo, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
+                0, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED,
+                TMA_STORE)
+    _store_half(b_hi, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
+                1, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED,
+                TMA_STORE)
 
 
 @triton.jit(launch_metadata=_launch_metadata)
@@ -464,7 +376,6 @@ def _qproj_gemm_fwd_kernel(
     BLOCK_M: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     TWO_DOTS: tl.constexpr, ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, DOT_F32: tl.constexpr,
     FLATTEN: tl.constexpr, SERIAL_LOOP: tl.constexpr, EPILOGUE: tl.constexpr, TMA_STORE: tl.constexpr,
-    JOIN_STORE: tl.constexpr, PACK4: tl.constexpr,
 ):
     """lo = A·W'_loᵀ, hi = A·W'_hiᵀ (fp32); rope tiles: lo' = lo·c - hi·s, hi' = hi·c + lo·s;
     then each half -> bf16 or MXFP8 (rowwise 32-blocks along each head's D, columnwise 32-blocks along T)."""
@@ -476,22 +387,22 @@ def _qproj_gemm_fwd_kernel(
         tile = i_sm
         while tile < num_tiles:
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
-            b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32, PACK4)
+            b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
             _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
                       yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
-                      NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE, JOIN_STORE)
+                      NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             tile += NUM_SMS
     else:
         tile_c = i_sm - NUM_SMS  # the epilogue's own counter: the next tile's loads can be hoisted over it
         for tile in tl.range(i_sm, num_tiles, NUM_SMS, flatten=FLATTEN):
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
-            b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32, PACK4)
+            b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
             tile_c += NUM_SMS
             i_m, i_n = _tile_coords(tile_c, num_m, NT_N, GROUP_M)
             if EPILOGUE:
                 _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
                           yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
-                          NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE, JOIN_STORE)
+                          NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             elif T < 0:  # benchmark knob EPILOGUE=False: the GEMM alone (never stores, but keeps the dots alive)
                 tl.store(y_ptr + tl.arange(0, HB), (b_lo + b_hi).reshape(BLOCK_M, HB).max(axis=0).to(
                     y_ptr.dtype.element_ty))
@@ -552,9 +463,8 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         w_prepared: `prepare_fused_weight(W, cfg)`.
         cos_h, sin_h: [T, R/2] fp32 contiguous pair tables.
         overrides: launch knobs for benchmarks and tests (BLOCK_M, BLOCK_K, GROUP_M, num_warps, num_stages,
-            TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE, TMA_STORE, JOIN_STORE, PACK4); every combination
-            gives the same bytes (EPILOGUE=False skips the epilogue and leaves the outputs unwritten: GEMM-only
-            timing). PACK4 must match the `pack4` that w_prepared was built with.
+            TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE); every combination gives the same bytes
+            (EPILOGUE=False skips the epilogue and leaves the outputs unwritten: GEMM-only timing).
     Returns:
         mxfp8: (row data fp8 [T, H, D], row scale uint8 [T, H, D/32], col data or None, col scale
         uint8 [ceil(T/32), H, D] or None); bf16: (y bf16 [T, H, D],).
@@ -590,12 +500,9 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     # 1.93 vs 2.07 ms (MXFP8 rowwise), 1.86 vs 1.94 ms (bf16, unflattened loop), 2.68 vs 2.70 ms (row + col).
     knobs = dict(TWO_DOTS=False, ROPE_BCAST=HALF_N % RH == 0 and (RH & (RH - 1)) == 0,
                  EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg) and T >= TMA_STORE_MIN_T, JOIN_STORE=False,
-                 PACK4=PACK4)
+                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg) and T >= TMA_STORE_MIN_T)
     conf.update(knobs)
     conf.update(overrides)
-    if conf["JOIN_STORE"] and not (conf["TMA_STORE"] and join_store_supported(cfg)):
-        raise ValueError(f"JOIN_STORE needs TMA_STORE and a geometry join_store_supported covers: {cfg}")
     if conf["TMA_STORE"] and cfg.output_format == "bf16" and "FLATTEN" not in overrides:
         conf["FLATTEN"] = False  # Triton 3.6's loop flattening rejects the bf16 descriptor stores
     if not conf["EPILOGUE"]:  # Triton 3.6's loop-fusion pass rejects the flattened loop without the epilogue
@@ -615,15 +522,10 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         if not tma_store_supported(cfg):
             raise ValueError(f"TMA_STORE does not cover this geometry: {cfg}")
         P = cfg.qk_head_dim
-        if conf["JOIN_STORE"]:
-            pass_box = [BLOCK_M, 1, BLOCK_N] if P % BLOCK_N == 0 else [BLOCK_M, 2, HALF_N]
-            descs["yd_pass"] = TensorDescriptor.from_tensor(y, pass_box) if P else None
-            descs["yd_rope"] = TensorDescriptor.from_tensor(y, [BLOCK_M, HALF_N // RH, R])
-        else:
-            for name, t in (("yd", y), ("cd", cd)):
-                if t is not None:
-                    descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HALF_N]) if P else None
-                    descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HALF_N // RH, RH])
+        for name, t in (("yd", y), ("cd", cd)):
+            if t is not None:
+                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HALF_N]) if P else None
+                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HALF_N // RH, RH])
     _qproj_gemm_fwd_kernel[grid](
         a_desc=a_desc, w_desc=w_desc, cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0), **descs,
         y_ptr=y, rs_ptr=rs if rs is not None else y, cd_ptr=cd if cd is not None else y,
