@@ -16,7 +16,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mla_qproj.bench_kernels import graph_ms  # noqa: E402
 from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16  # noqa: E402
-from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd  # noqa: E402
+from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd, sum_partials  # noqa: E402
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd  # noqa: E402
 from mla_qproj.kernels.rope_quant import rope_quant  # noqa: E402
 from mla_qproj.reference.mxfp8 import (  # noqa: E402
@@ -122,9 +122,10 @@ def main() -> None:
         rs = torch.rand(T, device="cuda") + 0.5
         nbytes = T * K * (4 + 2 + 2) + 4 * T
         ref_dx, ref_dg = rmsnorm_bwd(dxn, x, rs, g, False, ROWS=1, num_warps=4)
-        for nrows, nw, pps, pf in [(None, None, None, None), (1, 4, 4, False), (1, 8, 4, True), (2, 4, 4, True),
-                                   (1, 4, 8, True), (1, 2, 4, True)]:
-            kn = {} if nrows is None else dict(ROWS=nrows, num_warps=nw, PROGS_PER_SM=pps, PREFETCH=pf)
+        s256 = dict(SUM_BLOCK_P=256, SUM_BLOCK_K=16, SUM_num_warps=8)
+        for kn in [{}, dict(TWO_CHUNKS=True), dict(TWO_CHUNKS=True, num_warps=8), s256,
+                   dict(SUM_BLOCK_P=512, SUM_BLOCK_K=8, SUM_num_warps=8), dict(s256, TWO_CHUNKS=True),
+                   dict(s256, PROGS_PER_SM=2), dict(s256, TWO_CHUNKS=True, PROGS_PER_SM=8)]:
             name = "rmsnorm_bwd " + (" ".join(f"{k.lower()}={v}" for k, v in kn.items()) or "default")
             try:
                 dx_, dg_ = rmsnorm_bwd(dxn, x, rs, g, False, **kn)
@@ -134,6 +135,12 @@ def main() -> None:
                 rows.append((T, name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
             except Exception as e:
                 rows.append((T, name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
+        for pps, sk in ((4, {}), (4, s256)):  # the partial sum alone: its share of the two launches
+            part = torch.randn(triton.cdiv(T, triton.next_power_of_2(triton.cdiv(T, pps * 132))), K, device="cuda")
+            dg = torch.empty(K, device="cuda", dtype=torch.bfloat16)
+            ms = bench(lambda: sum_partials(part, dg, **{k[4:]: v for k, v in sk.items()}))  # noqa: B023
+            rows.append((T, f"rmsnorm_bwd partial sum alone {part.shape[0]} rows {sk}", "", ms,
+                         part.numel() * 4 / ms / 1e6))
         # columnwise xn -> bf16 image (backward)
         cd, cs = quantize_columnwise(torch.randn(T, K, device="cuda"))
         img = dequantize_columnwise_bf16(cd, cs)

@@ -173,16 +173,21 @@ def test_rope_kernel_stays_inside_heads(style, geom):
 
 
 @pytest.mark.parametrize("zc", [False, True])
-@pytest.mark.parametrize("T, rows, prefetch", [(45, None, True), (700, None, True), (700, 2, True), (1500, 8, False)])
-def test_rmsnorm_bwd(zc, T, rows, prefetch):
+@pytest.mark.parametrize("T, rows, prefetch, two", [(45, None, True, False), (700, None, True, False),
+                                                    (700, 2, True, True), (1500, 8, False, True),
+                                                    (700, None, True, True), (300, None, False, False)])
+def test_rmsnorm_bwd(zc, T, rows, prefetch, two):
     """T = 700 with one program per SM's worth (132): 8 rows per program (the last one partial), stepped 1 / 2 at
-    a time, the next step's rows prefetched; 1500: 16 per program, a step of 8 rows, no prefetch."""
+    a time, the next step's rows prefetched; 1500: 16 per program, a step of 8 rows, no prefetch. two: a row as two
+    chunks (K = 96 = 64 + 32) and the partials summed [16 partials, 16 columns] at a time (several unrolled steps)."""
     K = 96
     x = torch.randn(T, K, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(K, device=DEVICE)
     dxn = torch.randn(T, K, device=DEVICE)
     _, rs = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
-    knobs = {"PREFETCH": prefetch, "PROGS_PER_SM": 4 if T < 132 else 1}
+    knobs = {"PREFETCH": prefetch, "PROGS_PER_SM": 4 if T < 132 else 1, "TWO_CHUNKS": two}
+    if two:
+        knobs.update(SUM_BLOCK_P=16, SUM_BLOCK_K=16)
     if rows is not None:
         knobs["ROWS"] = rows
     dx, dg = rmsnorm_bwd(dxn, x, rs, w, zc, **knobs)

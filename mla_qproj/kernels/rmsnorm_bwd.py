@@ -26,10 +26,12 @@ def _rmsnorm_bwd_kernel(
     dxn_ptr, stride_dxn, x_ptr, stride_x, rsigma_ptr, w_ptr, dx_ptr, dw_part_ptr,
     T,
     ROWS_PER_PROG: tl.constexpr, K: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr, PREFETCH: tl.constexpr,
+    ROWS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_K2: tl.constexpr,
 ):
     """Program i_p: rows [i_p * ROWS_PER_PROG, (i_p + 1) * ROWS_PER_PROG) as [ROWS, BLOCK_K] tiles (ROWS rows in
-    flight per step: the loop is latency-bound with one); dw partial = fixed-order sum over its rows."""
+    flight per step: the loop is latency-bound with one); dw partial = fixed-order sum over its rows.
+    BLOCK_K2 > 0: a row is two power-of-two chunks, columns [0, BLOCK_K) and [BLOCK_K, BLOCK_K + BLOCK_K2)
+    (K = 1536 as 1024 + 512 instead of one 2048-wide tile with a quarter of its lanes masked)."""
     i_p = tl.program_id(0).to(tl.int64)
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
@@ -37,30 +39,58 @@ def _rmsnorm_bwd_kernel(
     if ZERO_CENTERED:
         b_g = b_g + 1.0
     b_dw = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
+    if BLOCK_K2 > 0:
+        o_k2 = BLOCK_K + tl.arange(0, BLOCK_K2)
+        m_k2 = o_k2 < K
+        b_g2 = tl.load(w_ptr + o_k2, mask=m_k2, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            b_g2 = b_g2 + 1.0
+        b_dw2 = tl.zeros([ROWS, BLOCK_K2], dtype=tl.float32)
     # PREFETCH: the next step's x / dxn / rsigma are loaded before this step's reduction and store (a register
     # double buffer: Triton pipelines no loads outside dot loops, and each step waits on a reduction)
     o_t = i_p * ROWS_PER_PROG + tl.arange(0, ROWS)
     if PREFETCH:
         b_x, b_dxn, b_rs = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, o_t < T, o_k, m_k)
+        if BLOCK_K2 > 0:
+            b_x2, b_dxn2, _ = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, o_t < T, o_k2, m_k2)
     for r in range(0, ROWS_PER_PROG, ROWS):
         m_t = o_t < T
         if PREFETCH:
             o_n = o_t + ROWS
-            b_x_n, b_dxn_n, b_rs_n = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_n,
-                                                (o_n < T) & (r + ROWS < ROWS_PER_PROG), o_k, m_k)
+            m_n = (o_n < T) & (r + ROWS < ROWS_PER_PROG)
+            b_x_n, b_dxn_n, b_rs_n = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_n, m_n, o_k, m_k)
+            if BLOCK_K2 > 0:
+                b_x2_n, b_dxn2_n, _ = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_n, m_n, o_k2,
+                                                 m_k2)
         else:
             b_x, b_dxn, b_rs = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, m_k)
+            if BLOCK_K2 > 0:
+                b_x2, b_dxn2, _ = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k2, m_k2)
         b_xhat = b_x.to(tl.float32) * b_rs[:, None]
         b_dxhat = b_dxn.to(tl.float32) * b_g[None, :]
-        b_c = tl.sum(b_dxhat * b_xhat, axis=1) / K  # [ROWS]
+        b_dot = tl.sum(b_dxhat * b_xhat, axis=1)  # [ROWS]
+        if BLOCK_K2 > 0:
+            b_xhat2 = b_x2.to(tl.float32) * b_rs[:, None]
+            b_dxhat2 = b_dxn2.to(tl.float32) * b_g2[None, :]
+            b_dot += tl.sum(b_dxhat2 * b_xhat2, axis=1)
+        b_c = b_dot / K
         b_dx = b_rs[:, None] * (b_dxhat - b_xhat * b_c[:, None])
         tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty),
                  mask=m_t[:, None] & m_k[None, :])
         b_dw += b_dxn.to(tl.float32) * b_xhat
+        if BLOCK_K2 > 0:
+            b_dx2 = b_rs[:, None] * (b_dxhat2 - b_xhat2 * b_c[:, None])
+            tl.store(dx_ptr + o_t[:, None] * K + o_k2[None, :], b_dx2.to(dx_ptr.dtype.element_ty),
+                     mask=m_t[:, None] & m_k2[None, :])
+            b_dw2 += b_dxn2.to(tl.float32) * b_xhat2
         if PREFETCH:
             b_x, b_dxn, b_rs = b_x_n, b_dxn_n, b_rs_n
+            if BLOCK_K2 > 0:
+                b_x2, b_dxn2 = b_x2_n, b_dxn2_n
         o_t = o_t + ROWS
     tl.store(dw_part_ptr + i_p * K + o_k, tl.sum(b_dw, axis=0), mask=m_k)
+    if BLOCK_K2 > 0:
+        tl.store(dw_part_ptr + i_p * K + o_k2, tl.sum(b_dw2, axis=0), mask=m_k2)
 
 
 @triton.jit
@@ -72,7 +102,7 @@ def _sum_partials_kernel(part_ptr, out_ptr, n_part, K: tl.constexpr, MAX_P: tl.c
     o_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     m_k = o_k < K
     b_acc = tl.zeros([BLOCK_P, BLOCK_K], dtype=tl.float32)
-    for p0 in range(0, MAX_P, BLOCK_P):
+    for p0 in tl.static_range(0, MAX_P, BLOCK_P):  # unrolled: every step's loads are in flight at once
         o_p = p0 + tl.arange(0, BLOCK_P)
         m = (o_p < n_part)[:, None] & m_k[None, :]
         b_acc += tl.load(part_ptr + o_p[:, None].to(tl.int64) * K + o_k[None, :], mask=m, other=0.0)
@@ -82,7 +112,8 @@ def _sum_partials_kernel(part_ptr, out_ptr, n_part, K: tl.constexpr, MAX_P: tl.c
 def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
                 zero_centered_gamma: bool, **knobs):
     """Returns (dx [T, K] in x's dtype, dnorm_weight [K] in the parameter's dtype). knobs: ROWS, num_warps,
-    PROGS_PER_SM (benchmarks; the reduction order depends on T, ROWS and PROGS_PER_SM only)."""
+    PROGS_PER_SM, PREFETCH, and SUM_BLOCK_P, SUM_BLOCK_K, SUM_num_warps for `sum_partials` (benchmarks; the
+    reduction order depends on T and these knobs only)."""
     T, K = x2d.shape
     dev = x2d.device
     dx = torch.empty((T, K), dtype=x2d.dtype, device=dev)
@@ -91,21 +122,31 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     # a fixed number of programs for a given T: the reduction order depends on T only (deterministic)
     # (rows per program is a power of two: few compiled variants across sequence lengths)
     # H200 (2026-11-30, scripts/kernel_sweep.py): one row per step and 4 warps beat [2-16, K] steps and 8 warps
-    conf = dict(ROWS=1, num_warps=8 if K > 2048 else 4, PROGS_PER_SM=4, PREFETCH=True)
+    conf = dict(ROWS=1, num_warps=8 if K > 2048 else 4, PROGS_PER_SM=4, PREFETCH=True, TWO_CHUNKS=False)
+    sum_knobs = {k[4:]: knobs.pop(k) for k in list(knobs) if k.startswith("SUM_")}  # SUM_BLOCK_P, SUM_BLOCK_K, ...
     conf.update(knobs)
     rows = triton.next_power_of_2(triton.cdiv(T, conf.pop("PROGS_PER_SM") * 132))
     n_prog = triton.cdiv(T, rows)
-    block_k = triton.next_power_of_2(K)
+    block_k, block_k2 = triton.next_power_of_2(K), 0
+    if conf.pop("TWO_CHUNKS") and block_k != K:  # K = 2^a + (at most 2^b, b < a): two chunks, fewer masked lanes
+        block_k = block_k // 2
+        block_k2 = triton.next_power_of_2(K - block_k)
     conf["ROWS"] = min(conf["ROWS"], rows)  # a program's step never reaches into the next program's rows
     part = torch.empty((n_prog, K), dtype=torch.float32, device=dev)
     _rmsnorm_bwd_kernel[(n_prog,)](
         dxn_ptr=dxn, stride_dxn=dxn.stride(0), x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma,
         w_ptr=norm_weight, dx_ptr=dx, dw_part_ptr=part, T=T, ROWS_PER_PROG=rows, K=K,
-        ZERO_CENTERED=zero_centered_gamma, BLOCK_K=block_k, **conf,
+        ZERO_CENTERED=zero_centered_gamma, BLOCK_K=block_k, BLOCK_K2=block_k2, **conf,
     )
     dg = torch.empty(K, dtype=norm_weight.dtype, device=dev)
-    max_p = triton.next_power_of_2(n_prog)
-    # [128 partials, 32 columns] per step: few steps per program (a latency chain), K / 32 programs
-    _sum_partials_kernel[(triton.cdiv(K, 32),)](part, dg, n_prog, K=K, MAX_P=max_p, BLOCK_P=min(128, max_p), BLOCK_K=32,
-                                                num_warps=4)
+    sum_partials(part, dg, **sum_knobs)
     return dx, dg
+
+
+def sum_partials(part: torch.Tensor, out: torch.Tensor, BLOCK_P: int = 128, BLOCK_K: int = 32, num_warps: int = 4):
+    """out = part.sum(0) in a fixed order (fp32), cast to out's dtype: the partials of `rmsnorm_bwd`.
+    [BLOCK_P partials, BLOCK_K columns] per step, steps unrolled, K / BLOCK_K programs."""
+    n_part, K = part.shape
+    max_p = triton.next_power_of_2(n_part)
+    _sum_partials_kernel[(triton.cdiv(K, BLOCK_K),)](part, out, n_part, K=K, MAX_P=max_p, BLOCK_P=min(BLOCK_P, max_p),
+                                                     BLOCK_K=BLOCK_K, num_warps=num_warps)
