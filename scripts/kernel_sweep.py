@@ -81,11 +81,10 @@ def main() -> None:
         nbytes = T * N * 6 + 2 * T * ROPE * 2
         ref = rope_quant(dq, c, s, fast=False, **kw)
         variants = [("general (gather)", dict(fast=False)), ("fast default", dict(fast=True))]
-        variants.append(("fast fast_scale=0", dict(fast=True, FAST_SCALE=False)))
-        variants.append(("fast fast_scale=1 warps=4", dict(fast=True, FAST_SCALE=True, num_warps=4)))
-        for heads, nw, nope_w, ns in [(1, 2, 64, True)]:
-            variants.append((f"fast heads={heads} warps={nw} nope_w={nope_w} image_nan_sign={int(ns)}",
-                             dict(fast=True, HEADS=heads, num_warps=nw, NOPE_W=nope_w, IMAGE_NAN_SIGN=ns)))
+        variants.append(("fast stream=1 (evict-first loads, streaming stores)", dict(fast=True, STREAM=True)))
+        variants.append(("fast warps=1", dict(fast=True, num_warps=1)))
+        variants.append(("fast stream=1 warps=1", dict(fast=True, STREAM=True, num_warps=1)))
+        variants.append(("fast stream=1 nope_w=128", dict(fast=True, STREAM=True, NOPE_W=128)))
         o1, o2 = torch.empty_like(dq), torch.empty_like(dq)
         for w_, nw in ((64, 2), (64, 4), (128, 4)):  # the same traffic without the math: the practical ceiling
             ms = bench(lambda: read1_write2(dq, o1, o2, w_, nw))  # noqa: B023
@@ -122,10 +121,9 @@ def main() -> None:
         rs = torch.rand(T, device="cuda") + 0.5
         nbytes = T * K * (4 + 2 + 2) + 4 * T
         ref_dx, ref_dg = rmsnorm_bwd(dxn, x, rs, g, False, ROWS=1, num_warps=4)
-        s256 = dict(SUM_BLOCK_P=256, SUM_BLOCK_K=16, SUM_num_warps=8)
-        for kn in [{}, dict(TWO_CHUNKS=True), dict(TWO_CHUNKS=True, num_warps=8), s256,
-                   dict(SUM_BLOCK_P=512, SUM_BLOCK_K=8, SUM_num_warps=8), dict(s256, TWO_CHUNKS=True),
-                   dict(s256, PROGS_PER_SM=2), dict(s256, TWO_CHUNKS=True, PROGS_PER_SM=8)]:
+        s128 = dict(SUM_BLOCK_P=128, SUM_BLOCK_K=32, SUM_num_warps=4)  # the partial sum before 2026-12-01
+        for kn in [{}, dict(TWO_CHUNKS=False), dict(s128, TWO_CHUNKS=False), dict(num_warps=8),
+                   dict(SUM_BLOCK_P=512, SUM_BLOCK_K=8), dict(PROGS_PER_SM=8)]:
             name = "rmsnorm_bwd " + (" ".join(f"{k.lower()}={v}" for k, v in kn.items()) or "default")
             try:
                 dx_, dg_ = rmsnorm_bwd(dxn, x, rs, g, False, **kn)
@@ -135,7 +133,7 @@ def main() -> None:
                 rows.append((T, name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
             except Exception as e:
                 rows.append((T, name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
-        for pps, sk in ((4, {}), (4, s256)):  # the partial sum alone: its share of the two launches
+        for pps, sk in ((4, {}), (4, s128)):  # the partial sum alone: its share of the two launches
             part = torch.randn(triton.cdiv(T, triton.next_power_of_2(triton.cdiv(T, pps * 132))), K, device="cuda")
             dg = torch.empty(K, device="cuda", dtype=torch.bfloat16)
             ms = bench(lambda: sum_partials(part, dg, **{k[4:]: v for k, v in sk.items()}))  # noqa: B023

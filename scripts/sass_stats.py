@@ -51,18 +51,19 @@ def report(name: str, st: dict, elements: int | None = None) -> None:
 def main() -> None:
     from mla_qproj.kernels.rope_quant import _rope_quant_fast_kernel, _rope_quant_kernel
 
-    rq_sig = dict(y_ptr="*bf16", stride_y="i32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*bf16",
+    rq_sig = dict(y_ptr="*bf16", stride_y="i32", cos_ptr="*fp32", sin_ptr="*fp32", stride_cs="i32", out_ptr="*bf16",
                   row_scale_ptr="*u8", col_data_ptr="*bf16", col_scale_ptr="*u8", T="i32")
     al = ("y_ptr", "stride_y", "cos_ptr", "sin_ptr", "out_ptr", "col_data_ptr")
     base = dict(H=128, D=192, NOPE=128, R=64, STYLE="deepseek", INVERSE=True, MODE="mxfp8_images", COLUMNWISE=True,
                 SCALE_MODE="rceil")
     st = stats(_rope_quant_kernel, rq_sig, base, al, num_warps=4, enable_fp_fusion=False)
     report("rope_quant general (1 head)", st)
-    for heads, nw in ((1, 4), (2, 4), (4, 4), (4, 8), (2, 2), (1, 1)):
-        cx = dict(base, HEADS=heads, NOPE_W=128, EMULATED=False, HEAD_MAJOR=True)
+    for heads, nw, stream in ((1, 2, False), (1, 2, True), (1, 1, False), (1, 4, False), (2, 2, False)):
+        cx = dict(base, HEADS=heads, NOPE_W=64, EMULATED=False, HEAD_MAJOR=True, IMAGE_NAN_SIGN=False, FAST_SCALE=True,
+                  STREAM=stream)
         st = stats(_rope_quant_fast_kernel, rq_sig, cx, al, num_warps=nw, enable_fp_fusion=False)
         # warp-instructions per [32 x 32] element tile: total * warps / (heads * 6 tiles)
-        report(f"rope_quant fast heads={heads} warps={nw}", st)
+        report(f"rope_quant fast heads={heads} warps={nw} stream={int(stream)}", st)
         print(f"    warp-instr per 1024 elements: {st['total'] * nw / (heads * 6):.0f}")
 
 
