@@ -81,10 +81,9 @@ def main() -> None:
         nbytes = T * N * 6 + 2 * T * ROPE * 2
         ref = rope_quant(dq, c, s, fast=False, **kw)
         variants = [("general (gather)", dict(fast=False)), ("fast default", dict(fast=True))]
-        variants.append(("fast stream=1 (evict-first loads, streaming stores)", dict(fast=True, STREAM=True)))
-        variants.append(("fast warps=1", dict(fast=True, num_warps=1)))
-        variants.append(("fast stream=1 warps=1", dict(fast=True, STREAM=True, num_warps=1)))
-        variants.append(("fast stream=1 nope_w=128", dict(fast=True, STREAM=True, NOPE_W=128)))
+        variants.append(("fast warps=2 (the default before 2026-12-01)", dict(fast=True, num_warps=2)))
+        variants.append(("fast warps=1 nope_w=128", dict(fast=True, num_warps=1, NOPE_W=128)))
+        variants.append(("fast warps=1 nope_w=32", dict(fast=True, num_warps=1, NOPE_W=32)))
         o1, o2 = torch.empty_like(dq), torch.empty_like(dq)
         for w_, nw in ((64, 2), (64, 4), (128, 4)):  # the same traffic without the math: the practical ceiling
             ms = bench(lambda: read1_write2(dq, o1, o2, w_, nw))  # noqa: B023

@@ -58,12 +58,11 @@ def main() -> None:
                 SCALE_MODE="rceil")
     st = stats(_rope_quant_kernel, rq_sig, base, al, num_warps=4, enable_fp_fusion=False)
     report("rope_quant general (1 head)", st)
-    for heads, nw, stream in ((1, 2, False), (1, 2, True), (1, 1, False), (1, 4, False), (2, 2, False)):
-        cx = dict(base, HEADS=heads, NOPE_W=64, EMULATED=False, HEAD_MAJOR=True, IMAGE_NAN_SIGN=False, FAST_SCALE=True,
-                  STREAM=stream)
+    for heads, nw in ((1, 1), (1, 2), (1, 4)):
+        cx = dict(base, HEADS=heads, NOPE_W=64, EMULATED=False, HEAD_MAJOR=True, IMAGE_NAN_SIGN=False, FAST_SCALE=True)
         st = stats(_rope_quant_fast_kernel, rq_sig, cx, al, num_warps=nw, enable_fp_fusion=False)
         # warp-instructions per [32 x 32] element tile: total * warps / (heads * 6 tiles)
-        report(f"rope_quant fast heads={heads} warps={nw} stream={int(stream)}", st)
+        report(f"rope_quant fast heads={heads} warps={nw}", st)
         print(f"    warp-instr per 1024 elements: {st['total'] * nw / (heads * 6):.0f}")
 
 
