@@ -102,11 +102,36 @@ def bench(fn):
     return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def run_variants(T, variants, dev, table):
+    """Time each (mode, launch knobs) at T next to cuBLAS; True when every variant's bytes equal the default's."""
+    flops = 2.0 * T * H * D * K
+    ok = True
+    a, w, c, s = make_inputs(T, make_cfg("bf16", False), dev, seed=1)
+    t_cublas = bench(lambda: a @ w.t())
+    for mode, ov in variants:
+        cfg = make_cfg(*MODES[mode])
+        base = qg.qproj_gemm_fwd(a, qg.prepare_fused_weight(w, cfg), c, s, cfg)
+        wv = qg.prepare_fused_weight(w, cfg, hb=ov.get("HB", qg.HALF_N))
+        try:
+            out = qg.qproj_gemm_fwd(a, wv, c, s, cfg, **ov)
+            same = ov.get("EPILOGUE", True) is False or all(
+                torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                for x, y in zip(out, base, strict=True) if x is not None)
+            t = bench(lambda: qg.qproj_gemm_fwd(a, wv, c, s, cfg, **ov))  # noqa: B023
+            table.append((T, f"{mode} {ov}", t, flops / t * 1e-9, t_cublas / t))
+            log(f"variant T={T} {mode} {ov}: {t:.3f} ms, bytes equal to default: {same}")
+            ok &= bool(same)
+        except Exception as e:  # noqa: BLE001 - keep probing the other variants
+            log(f"variant T={T} {mode} {ov}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    torch.cuda.empty_cache()
+    return ok
+
+
 def main():
     global _log
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma", "occ2"],
+    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma", "occ2", "hb64"],
                     help="launch-knob variants at the largest T (short: GEMM-only ceiling and num_stages=4)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
@@ -143,9 +168,8 @@ def main():
         del a, w, c, s
         torch.cuda.empty_cache()
 
-    if args.variants:  # launch knobs at the largest T, each checked byte-for-byte against the default launch
-        T = args.T[-1]
-        flops = 2.0 * T * H * D * K
+    # launch knobs at the largest T (hb64: at every T), each checked byte-for-byte against the default launch
+    for T in (args.T if args.variants == "hb64" else args.T[-1:]) if args.variants else ():
         variants = [("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", dict(num_stages=4)),
                     ("bf16", dict(num_stages=4))]
         if args.variants == "tma":  # epilogue stores through tensor descriptors (TMA, asynchronous)
@@ -162,30 +186,20 @@ def main():
                                                                                               BLOCK_K=32)),
                         ("mxfp8 row", dict(o2, num_stages=4, NUM_SMS=n2 // 2)), ("bf16", dict(o2, num_stages=2,
                                                                                              FLATTEN=False))]
+        if args.variants == "hb64":  # [128, 128] tiles (W' in 2·64-row tiles), two programs per SM at <= 128
+            # registers: one program's epilogue runs while the other's MMAs do
+            n2 = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
+            o2 = dict(HB=64, NUM_SMS=n2, maxnreg=128, TMA_STORE=False)  # 3 stages + TMA staging: one program per SM
+            variants = [("mxfp8 row", {}), ("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", o2),
+                        ("mxfp8 row", dict(o2, EPILOGUE=False)), ("mxfp8 row", dict(o2, TMA_STORE=True, num_stages=2)),
+                        ("mxfp8 row", dict(o2, num_stages=2)), ("mxfp8 row", dict(o2, GROUP_M=16)),
+                        ("mxfp8 row", dict(HB=64)), ("bf16", o2), ("mxfp8 row+col", o2)]
         if args.variants == "all":
             variants += [("mxfp8 row", dict(FLATTEN=False)), ("mxfp8 row", dict(TWO_DOTS=True)),
                          ("mxfp8 row", dict(BLOCK_K=128, num_stages=2)), ("mxfp8 row", dict(GROUP_M=4)),
                          ("mxfp8 row", dict(EMULATED=True)), ("mxfp8 row+col", dict(FLATTEN=False)),
                          ("bf16", dict(FLATTEN=False))]
-        a, w, c, s = make_inputs(T, make_cfg("bf16", False), dev, seed=1)
-        t_cublas = bench(lambda: a @ w.t())
-        for mode, ov in variants:
-            cfg = make_cfg(*MODES[mode])
-            wp = qg.prepare_fused_weight(w, cfg)
-            base = qg.qproj_gemm_fwd(a, wp, c, s, cfg)
-            try:
-                out = qg.qproj_gemm_fwd(a, wp, c, s, cfg, **ov)
-                same = ov.get("EPILOGUE", True) is False or all(
-                    torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                    for x, y in zip(out, base, strict=True) if x is not None)
-                t = bench(lambda: qg.qproj_gemm_fwd(a, wp, c, s, cfg, **ov))  # noqa: B023
-                table.append((T, f"{mode} {ov}", t, flops / t * 1e-9, t_cublas / t))
-                log(f"variant {mode} {ov}: {t:.3f} ms, bytes equal to default: {same}")
-                ok &= bool(same)
-            except Exception as e:  # noqa: BLE001 - keep probing the other variants
-                log(f"variant {mode} {ov}: FAILED {type(e).__name__}: {str(e)[:300]}")
-        del a, w, c, s, wp, base
-        torch.cuda.empty_cache()
+        ok &= run_variants(T, variants, dev, table)
 
     if args.small:
         cases = [("neox", "mxfp8", True, "rceil", 33), ("gptj", "mxfp8", True, "floor", 33),

@@ -136,6 +136,28 @@ def test_tma_store_epilogue(style, fmt, col, P, device):
     assert not tma_store_supported(_cfg(64, 3, 128, 64, 192, style="gptj", fmt="bf16"))  # interleaved halves
 
 
+HB_CASES = [("deepseek", "mxfp8", True, False, 64), ("deepseek", "mxfp8", False, True, 64),
+            ("neox", "bf16", False, True, 64), ("gptj", "mxfp8", True, False, 64), ("neox", "mxfp8", False, False, 32)]
+
+
+@pytest.mark.parametrize("style,fmt,col,tma,hb", HB_CASES)
+def test_half_tile_width(style, fmt, col, tma, hb, device):
+    """W' laid out in tiles of 2·hb rows (HB launch knob, `prepare_fused_weight(..., hb)`): the same bytes as the
+    default 2·128-row tiles and the reference's codes, with pointer and TMA stores; T not a multiple of the tile."""
+    cfg = _cfg(64, 5, 128, 64, 192, style=style, fmt=fmt, col=col)
+    a, w, cos_h, sin_h, ref = _case(45, cfg, device)
+    knobs = dict(TMA_STORE=tma, FLATTEN=not (tma and fmt == "bf16"))
+    out = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg, hb=hb), cos_h, sin_h, cfg, HB=hb, **knobs)
+    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, prepare_fused_weight(w, cfg), cos_h, sin_h, cfg, **knobs),
+                                   strict=True)):
+        if b is not None:
+            assert_bytes_equal(o, b, f"HB={hb} output {i}")
+    _check(out, ref, cfg)
+    src, dst = _column_maps(cfg, hb)
+    assert torch.equal(src[src >= 0].sort().values, torch.arange(cfg.out_features))
+    assert torch.equal(src < 0, dst < 0) and src.numel() % (2 * hb) == 0
+
+
 @pytest.mark.parametrize("name", list(AWKWARD))
 def test_awkward_cases(name, device):
     case = AWKWARD[name]

@@ -77,46 +77,46 @@ def fused_gemm_supported(cfg: QProjConfig) -> bool:
     return P % _MX == 0 and RH % (16 if cfg.rope_style == "gptj" else _MX) == 0
 
 
-def tma_store_supported(cfg: QProjConfig) -> bool:
-    """Output halves are boxes of the [T, H, D] output: P % 128 == 0, no trailing pass-through, 128 % (R/2) == 0,
+def tma_store_supported(cfg: QProjConfig, hb: int = HALF_N) -> bool:
+    """Output halves are boxes of the [T, H, D] output: P % hb == 0, no trailing pass-through, hb % (R/2) == 0,
     rows of >= 16 bytes (TMA); deepseek / neox only (gptj interleaves the two halves in the output)."""
     P, R, D, RH = cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_dim // 2
     elem = 1 if cfg.output_format == "mxfp8" else 2
-    return (fused_gemm_supported(cfg) and cfg.rope_style != "gptj" and P % HALF_N == 0 and D == P + R
-            and HALF_N % RH == 0 and RH * elem >= 16 and (D * elem) % 16 == 0)
+    return (fused_gemm_supported(cfg) and cfg.rope_style != "gptj" and P % hb == 0 and D == P + R
+            and hb % RH == 0 and RH * elem >= 16 and (D * elem) % 16 == 0)
 
 
 @functools.lru_cache(maxsize=64)
-def fused_layout(cfg: QProjConfig) -> tuple[int, int, int]:
-    """(pass-through tiles, rope tiles, rows of W') of the kernel's column order."""
+def fused_layout(cfg: QProjConfig, hb: int = HALF_N) -> tuple[int, int, int]:
+    """(pass-through tiles, rope tiles, rows of W') of the kernel's column order with tiles of 2·hb rows."""
     H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
-    nt_pass = triton.cdiv(H * (D - R), BLOCK_N)
-    nt_rope = triton.cdiv(H * (R // 2), HALF_N)
-    return nt_pass, nt_rope, (nt_pass + nt_rope) * BLOCK_N
+    nt_pass = triton.cdiv(H * (D - R), 2 * hb)
+    nt_rope = triton.cdiv(H * (R // 2), hb)
+    return nt_pass, nt_rope, (nt_pass + nt_rope) * 2 * hb
 
 
-def _column_maps(cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _column_maps(cfg: QProjConfig, hb: int = HALF_N) -> tuple[torch.Tensor, torch.Tensor]:
     """Host twin of the kernel's column maps: for every row of W' (= kernel column), the source row of W and
     the output column it lands on after RoPE; -1 for padding. Used by `prepare_fused_weight` and the tests."""
     H, D, P, R = cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim
     RH, PW = R // 2, D - R
-    nt_pass, nt_rope, n_rows = fused_layout(cfg)
-    j = torch.arange(HALF_N)
+    nt_pass, nt_rope, n_rows = fused_layout(cfg, hb)
+    j = torch.arange(hb)
     src, out = [], []
     for n in range(nt_pass):
         for half in range(2):
             if _paired(cfg):
-                u = n * HALF_N + j
+                u = n * hb + j
                 c = (u // 16) * 32 + half * 16 + u % 16
             else:
-                c = n * BLOCK_N + half * HALF_N + j
+                c = n * 2 * hb + half * hb + j
             k = c % PW
             o = (c // PW) * D + k + torch.where(k >= P, R, 0)
             o = torch.where(c < H * PW, o, -1)
             src.append(o)
             out.append(o)
     for m in range(nt_rope):
-        u = m * HALF_N + j
+        u = m * hb + j
         head, i = u // RH, u % RH
         valid = u < H * RH
         for half in range(2):
@@ -133,14 +133,15 @@ def _column_maps(cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(src), torch.cat(out)
 
 
-def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig) -> torch.Tensor:
+def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig, hb: int = HALF_N) -> torch.Tensor:
     """W [H·D, K] bf16 -> W' [rows, K] bf16 in the kernel's column order (an exact row permutation, zero rows as
-    padding). Call once per weight version; the result only feeds `qproj_gemm_fwd` with the same cfg."""
+    padding) with tiles of 2·hb rows. Call once per weight version; the result only feeds `qproj_gemm_fwd` with
+    the same cfg (and the same HB launch knob, default `HALF_N`)."""
     if not isinstance(w_bf16, torch.Tensor) or w_bf16.dtype != torch.bfloat16:
         raise TypeError(f"w_bf16 must be a bfloat16 tensor, got {getattr(w_bf16, 'dtype', type(w_bf16))}")
     if w_bf16.shape != (cfg.out_features, cfg.q_lora_rank):
         raise ValueError(f"w_bf16 must have shape {(cfg.out_features, cfg.q_lora_rank)}, got {tuple(w_bf16.shape)}")
-    src, _ = _column_maps(cfg)
+    src, _ = _column_maps(cfg, hb)
     src = src.to(w_bf16.device)
     w = torch.cat([w_bf16, w_bf16.new_zeros(1, w_bf16.shape[1])])  # row -1 -> the zero row
     return w[src].contiguous()
@@ -427,7 +428,7 @@ def _pick_config(T: int, device: torch.device) -> dict:
                 num_stages=3)
 
 
-def _check_inputs(a, w_prepared, cos_h, sin_h, cfg):
+def _check_inputs(a, w_prepared, cos_h, sin_h, cfg, hb):
     if not isinstance(cfg, QProjConfig):
         raise TypeError(f"cfg must be a QProjConfig, got {type(cfg).__name__}")
     if not fused_gemm_supported(cfg):
@@ -446,7 +447,7 @@ def _check_inputs(a, w_prepared, cos_h, sin_h, cfg):
     T, K = a.shape if a.dim() == 2 else (None, None)
     if a.dim() != 2 or K != cfg.q_lora_rank:
         raise ValueError(f"a must be [T, {cfg.q_lora_rank}], got {tuple(a.shape)}")
-    rows = fused_layout(cfg)[2]
+    rows = fused_layout(cfg, hb)[2]
     if tuple(w_prepared.shape) != (rows, K):
         raise ValueError(f"w_prepared must be [{rows}, {K}] (from prepare_fused_weight), got {tuple(w_prepared.shape)}")
     for name, t in (("cos_h", cos_h), ("sin_h", sin_h)):
@@ -463,13 +464,15 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         w_prepared: `prepare_fused_weight(W, cfg)`.
         cos_h, sin_h: [T, R/2] fp32 contiguous pair tables.
         overrides: launch knobs for benchmarks and tests (BLOCK_M, BLOCK_K, GROUP_M, num_warps, num_stages,
-            TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE); every combination gives the same bytes
-            (EPILOGUE=False skips the epilogue and leaves the outputs unwritten: GEMM-only timing).
+            TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE, TMA_STORE, maxnreg, NUM_SMS, HB); every
+            combination gives the same bytes (EPILOGUE=False skips the epilogue and leaves the outputs unwritten:
+            GEMM-only timing). HB (half-tile width, default `HALF_N`) must be the hb w_prepared was built with.
     Returns:
         mxfp8: (row data fp8 [T, H, D], row scale uint8 [T, H, D/32], col data or None, col scale
         uint8 [ceil(T/32), H, D] or None); bf16: (y bf16 [T, H, D],).
     """
-    _check_inputs(a, w_prepared, cos_h, sin_h, cfg)
+    hb = overrides.pop("HB", HALF_N)
+    _check_inputs(a, w_prepared, cos_h, sin_h, cfg, hb)
     T, K = a.shape
     H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
     dev = a.device
@@ -498,19 +501,19 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     # emulated rounding (2.34 ms) with identical bytes. GEMM alone (EPILOGUE=False): 1.64 ms.
     # 2026-11-30 (scripts/gemm_probe.py --variants tma): storing the outputs through tensor descriptors (TMA_STORE)
     # 1.93 vs 2.07 ms (MXFP8 rowwise), 1.86 vs 1.94 ms (bf16, unflattened loop), 2.68 vs 2.70 ms (row + col).
-    knobs = dict(TWO_DOTS=False, ROPE_BCAST=HALF_N % RH == 0 and (RH & (RH - 1)) == 0,
+    knobs = dict(TWO_DOTS=False, ROPE_BCAST=hb % RH == 0 and (RH & (RH - 1)) == 0,
                  EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg) and T >= TMA_STORE_MIN_T)
+                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg, hb) and T >= TMA_STORE_MIN_T)
     conf.update(knobs)
     conf.update(overrides)
     if conf["TMA_STORE"] and cfg.output_format == "bf16" and "FLATTEN" not in overrides:
         conf["FLATTEN"] = False  # Triton 3.6's loop flattening rejects the bf16 descriptor stores
     if not conf["EPILOGUE"]:  # Triton 3.6's loop-fusion pass rejects the flattened loop without the epilogue
         conf["FLATTEN"] = False
-    nt_pass, nt_rope, _ = fused_layout(cfg)
+    nt_pass, nt_rope, _ = fused_layout(cfg, hb)
     BLOCK_M, BLOCK_K = conf["BLOCK_M"], conf["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K])
-    w_desc = TensorDescriptor.from_tensor(w_prepared, [HALF_N if conf["TWO_DOTS"] else BLOCK_N, BLOCK_K])
+    w_desc = TensorDescriptor.from_tensor(w_prepared, [hb if conf["TWO_DOTS"] else 2 * hb, BLOCK_K])
     num_tiles = triton.cdiv(T, BLOCK_M) * (nt_pass + nt_rope)
     num_sms = conf.pop("NUM_SMS")
 
@@ -519,13 +522,13 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
 
     descs = dict(yd_pass=None, yd_rope=None, cd_pass=None, cd_rope=None)
     if conf["TMA_STORE"]:
-        if not tma_store_supported(cfg):
+        if not tma_store_supported(cfg, hb):
             raise ValueError(f"TMA_STORE does not cover this geometry: {cfg}")
         P = cfg.qk_head_dim
         for name, t in (("yd", y), ("cd", cd)):
             if t is not None:
-                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HALF_N]) if P else None
-                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HALF_N // RH, RH])
+                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, hb]) if P else None
+                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, hb // RH, RH])
     _qproj_gemm_fwd_kernel[grid](
         a_desc=a_desc, w_desc=w_desc, cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0), **descs,
         y_ptr=y, rs_ptr=rs if rs is not None else y, cd_ptr=cd if cd is not None else y,
@@ -533,7 +536,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         T=T, K=K, H=H, D=D, P=cfg.qk_head_dim, R=R,
         STYLE=cfg.rope_style, PAIRED=_paired(cfg), SEG=_seg(cfg),
         OUT_FORMAT=cfg.output_format, COLWISE=cfg.columnwise_output, SCALE_MODE=cfg.scale_mode,
-        NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=HALF_N, NUM_SMS=num_sms, DOT_F32=interp,
+        NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=hb, NUM_SMS=num_sms, DOT_F32=interp,
         enable_fp_fusion=False,  # a·c - b·s rounded as the reference rounds it (no FMA contraction)
         **conf,
     )
