@@ -100,7 +100,7 @@ def main() -> None:
         x = torch.randn(T, K, device="cuda").to(torch.bfloat16)
         g = (torch.rand(K, device="cuda") + 0.5).to(torch.bfloat16)
         nbytes = T * K * (2 + 2 + 1) + T * K / 32 + 4 * T
-        variants = [{}, dict(FAST_IMAGE=False), dict(SPLIT=True, BLOCK_K=128, num_warps=1),
+        variants = [{}, dict(SPLIT=True, BLOCK_K=128, num_warps=1),
                     dict(SPLIT=True, BLOCK_K=128, num_warps=2), dict(SPLIT=False, BLOCK_K=128, num_warps=4),
                     dict(SPLIT=True, ROWS=8, RS_BLOCK_K=512, RS_WARPS=4)]
         for kn in variants:

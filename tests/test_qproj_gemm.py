@@ -112,8 +112,6 @@ AWKWARD = {
     "two_dots": dict(T=70, geo=(96, 3, 128, 64, 192), style="gptj", kw=dict(TWO_DOTS=True)),
     "plain_tile_loop_knob": dict(T=70, geo=(96, 3, 128, 64, 192), kw=dict(FLATTEN=False)),
     "rope_gather": dict(T=70, geo=(96, 3, 128, 64, 192), kw=dict(ROPE_BCAST=False)),
-    "cos_prefetch": dict(T=70, geo=(96, 3, 128, 64, 192), style="neox", kw=dict(COS_PREFETCH=True)),
-    "cos_prefetch_tma_no_pass": dict(T=70, geo=(64, 5, 0, 64, 64), kw=dict(COS_PREFETCH=True, TMA_STORE=True)),
     "block_m_64": dict(T=100, geo=(64, 3, 128, 64, 192), style="neox", kw=dict(BLOCK_M=64)),
 }
 

@@ -309,29 +309,13 @@ def _mainloop(a_desc, w_desc, i_m, i_n, K: tl.constexpr, BLOCK_M: tl.constexpr, 
 
 
 @triton.jit
-def _pair_tile(cos_ptr, sin_ptr, stride_cs, i_m, i_n, T, NT_PASS: tl.constexpr, BLOCK_M: tl.constexpr,
-               RH: tl.constexpr):
-    """cos, sin [BLOCK_M, RH] fp32 of row block i_m (a rope tile's pair table under ROPE_BCAST); nothing is read
-    for a pass-through tile (all lanes masked)."""
-    o_t = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_i = tl.arange(0, RH)
-    m_c = (o_t < T)[:, None] & (o_i < RH)[None, :] & (i_n >= NT_PASS)
-    o_cs = o_t[:, None] * stride_cs + o_i[None, :]
-    b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)
-    b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)
-    return b_c, b_s
-
-
-@triton.jit
-def _epilogue(b_lo, b_hi, b_cp, b_sp, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
-              yd_rope, cd_pass, cd_rope, T,
+def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope,
+              cd_pass, cd_rope, T,
               H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
               PAIRED: tl.constexpr, SEG: tl.constexpr, OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr,
               SCALE_MODE: tl.constexpr, NT_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr,
-              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr,
-              COS_PREFETCH: tl.constexpr):
-    """RoPE on a rope tile's halves, then bf16 / MXFP8 stores of both halves. COS_PREFETCH (ROPE_BCAST only): the
-    pair table b_cp / b_sp [BLOCK_M, R/2] was loaded before the tile's main loop (`_pair_tile`)."""
+              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr):
+    """RoPE on a rope tile's halves, then bf16 / MXFP8 stores of both halves."""
     RH: tl.constexpr = R // 2
     o_t = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows, int64 offsets
     m_t = o_t < T
@@ -339,14 +323,11 @@ def _epilogue(b_lo, b_hi, b_cp, b_sp, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_p
 
     if i_n >= NT_PASS:  # rope tile: lo holds the pairs' "a" members, hi the matching "b" members
         if ROPE_BCAST:  # HB % RH == 0: every RH-run of a half has pair indices 0..RH-1, so load [BLOCK_M, RH]
-            if COS_PREFETCH:
-                b_c, b_s = b_cp[:, None, :], b_sp[:, None, :]
-            else:
-                o_i = tl.arange(0, RH)
-                m_c = m_t[:, None] & (o_i < RH)[None, :]
-                o_cs = o_t[:, None] * stride_cs + o_i[None, :]
-                b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
-                b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
+            o_i = tl.arange(0, RH)
+            m_c = m_t[:, None] & (o_i < RH)[None, :]
+            o_cs = o_t[:, None] * stride_cs + o_i[None, :]
+            b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
+            b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
             b_l3 = tl.reshape(b_lo, [BLOCK_M, HB // RH, RH])
             b_h3 = tl.reshape(b_hi, [BLOCK_M, HB // RH, RH])
             b_lo = tl.reshape(b_l3 * b_c - b_h3 * b_s, [BLOCK_M, HB])  # a' = a c - b s
@@ -396,7 +377,6 @@ def _qproj_gemm_fwd_kernel(
     BLOCK_M: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     TWO_DOTS: tl.constexpr, ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, DOT_F32: tl.constexpr,
     FLATTEN: tl.constexpr, SERIAL_LOOP: tl.constexpr, EPILOGUE: tl.constexpr, TMA_STORE: tl.constexpr,
-    COS_PREFETCH: tl.constexpr,
 ):
     """lo = A·W'_loᵀ, hi = A·W'_hiᵀ (fp32); rope tiles: lo' = lo·c - hi·s, hi' = hi·c + lo·s;
     then each half -> bf16 or MXFP8 (rowwise 32-blocks along each head's D, columnwise 32-blocks along T)."""
@@ -408,32 +388,22 @@ def _qproj_gemm_fwd_kernel(
         tile = i_sm
         while tile < num_tiles:
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
-            if COS_PREFETCH:
-                b_cp, b_sp = _pair_tile(cos_ptr, sin_ptr, stride_cs, i_m, i_n, T, NT_PASS, BLOCK_M, R // 2)
-            else:
-                b_cp = None
-                b_sp = None
             b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
-            _epilogue(b_lo, b_hi, b_cp, b_sp, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr,
-                      yd_pass, yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE,
-                      SCALE_MODE, NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE, COS_PREFETCH)
+            _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
+                      yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
+                      NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             tile += NUM_SMS
     else:
         tile_c = i_sm - NUM_SMS  # the epilogue's own counter: the next tile's loads can be hoisted over it
         for tile in tl.range(i_sm, num_tiles, NUM_SMS, flatten=FLATTEN):
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
-            if COS_PREFETCH:  # issued before the main loop: its latency hides under the MMAs
-                b_cp, b_sp = _pair_tile(cos_ptr, sin_ptr, stride_cs, i_m, i_n, T, NT_PASS, BLOCK_M, R // 2)
-            else:
-                b_cp = None
-                b_sp = None
             b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
             tile_c += NUM_SMS
             i_m, i_n = _tile_coords(tile_c, num_m, NT_N, GROUP_M)
             if EPILOGUE:
-                _epilogue(b_lo, b_hi, b_cp, b_sp, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr,
-                          cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT,
-                          COLWISE, SCALE_MODE, NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE, COS_PREFETCH)
+                _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
+                          yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
+                          NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             elif T < 0:  # benchmark knob EPILOGUE=False: the GEMM alone (never stores, but keeps the dots alive)
                 tl.store(y_ptr + tl.arange(0, HB), (b_lo + b_hi).reshape(BLOCK_M, HB).max(axis=0).to(
                     y_ptr.dtype.element_ty))
@@ -533,14 +503,13 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     # 1.93 vs 2.07 ms (MXFP8 rowwise), 1.86 vs 1.94 ms (bf16, unflattened loop), 2.68 vs 2.70 ms (row + col).
     knobs = dict(TWO_DOTS=False, ROPE_BCAST=hb % RH == 0 and (RH & (RH - 1)) == 0,
                  EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg, hb) and T >= TMA_STORE_MIN_T, COS_PREFETCH=False)
+                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg, hb) and T >= TMA_STORE_MIN_T)
     conf.update(knobs)
     conf.update(overrides)
     if conf["TMA_STORE"] and cfg.output_format == "bf16" and "FLATTEN" not in overrides:
         conf["FLATTEN"] = False  # Triton 3.6's loop flattening rejects the bf16 descriptor stores
     if not conf["EPILOGUE"]:  # Triton 3.6's loop-fusion pass rejects the flattened loop without the epilogue
         conf["FLATTEN"] = False
-    conf["COS_PREFETCH"] = conf["COS_PREFETCH"] and conf["ROPE_BCAST"]
     nt_pass, nt_rope, _ = fused_layout(cfg, hb)
     BLOCK_M, BLOCK_K = conf["BLOCK_M"], conf["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K])

@@ -12,14 +12,7 @@ import triton.language as tl
 
 from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
-from ._common import (
-    amax_nan_ignoring,
-    dequantize_e4m3,
-    e8m0_from_amax,
-    image_multipliers_rceil,
-    quantize_e4m3,
-    to_bf16,
-)
+from ._common import amax_nan_ignoring, dequantize_e4m3, e8m0_from_amax, quantize_e4m3, to_bf16
 
 
 @triton.jit
@@ -27,7 +20,7 @@ def _rmsnorm_quant_fwd_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, a_ptr, col_data_ptr, col_scale_ptr,
     T, eps, K: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, PRECISION: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK_K: tl.constexpr, EMULATED: tl.constexpr, RSIGMA_GIVEN: tl.constexpr, FAST_IMAGE: tl.constexpr,
+    CHUNK_K: tl.constexpr, EMULATED: tl.constexpr, RSIGMA_GIVEN: tl.constexpr,
 ):
     """Program (32 tokens, column chunk): rsigma = 1/sqrt(mean(x^2) + eps) over the whole row (every chunk's
     program computes it the same way; chunk 0 stores it), then for the chunk's columns xn = x * rsigma * g (fp32)
@@ -62,15 +55,9 @@ def _rmsnorm_quant_fwd_kernel(
         p_a = a_ptr + o_t[:, None] * K + o_k[None, :]
         if PRECISION == "mxfp8":
             b_xr = tl.reshape(b_xn, (32, NB, 32))
-            if FAST_IMAGE and not EMULATED and SCALE_MODE == "rceil":
-                # GPU: the code's multiplier and the image's scale straight from the amax bits; no NaN-sign fix
-                # (the image is NaN either way): the gradient kernel's image path
-                b_r, b_s = image_multipliers_rceil(amax_nan_ignoring(b_xr, 2, False))  # [32, NB]
-                b_q = (b_xr * b_r[:, :, None]).to(tl.float8e4nv).to(tl.float32) * b_s[:, :, None]
-            else:
-                b_byte = e8m0_from_amax(amax_nan_ignoring(b_xr, 2, EMULATED), SCALE_MODE)  # [32, NB]
-                b_q = dequantize_e4m3(quantize_e4m3(b_xr, b_byte[:, :, None], EMULATED, True), b_byte[:, :, None],
-                                      b_xr, EMULATED)
+            b_byte = e8m0_from_amax(amax_nan_ignoring(b_xr, 2, EMULATED), SCALE_MODE)  # [32, NB]
+            b_q = dequantize_e4m3(quantize_e4m3(b_xr, b_byte[:, :, None], EMULATED, True), b_byte[:, :, None],
+                                  b_xr, EMULATED)
             tl.store(p_a, tl.reshape(b_q, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
             b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
             b_cq = quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED, True)
@@ -104,9 +91,8 @@ def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
     # program per 32 tokens 0.037 / 0.089 ms at T = 4096 / 16384; two launches with [32, 64] tiles and one warp
     # 0.019 / 0.063 ms ([32, 128], 2 warps: 0.023 / 0.079). Below 2048 tokens the call is host-bound: one launch.
     split = T >= 2048
-    # FAST_IMAGE (GPU, rceil): the A image's multipliers from the amax bits (`image_multipliers_rceil`)
     conf = dict(BLOCK_K=min(block_k, 64) if split else block_k, num_warps=1 if split else 4, SPLIT=split, ROWS=4,
-                RS_BLOCK_K=512, RS_WARPS=4, FAST_IMAGE=True, EMULATED=interpreter_enabled() or device.type != "cuda")
+                RS_BLOCK_K=512, RS_WARPS=4, EMULATED=interpreter_enabled() or device.type != "cuda")
     conf.update(knobs)
     conf["CHUNK_K"] = conf["BLOCK_K"] if conf["SPLIT"] else K  # columns per program: one tile, or the whole row
     return conf
