@@ -22,6 +22,32 @@ def _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, 
 
 
 @triton.jit
+def _gamma(w_ptr, o_k, m_k, ZERO_CENTERED: tl.constexpr):
+    """The norm weight of columns o_k in fp32 (+1 for a zero-centered gamma)."""
+    b_g = tl.load(w_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        b_g = b_g + 1.0
+    return b_g
+
+
+@triton.jit
+def _chunk_terms(b_x, b_dxn, b_rs, b_g):
+    """xhat, dxhat of a [rows, chunk] tile and its share of sum(dxhat * xhat) per row."""
+    b_xhat = b_x.to(tl.float32) * b_rs[:, None]
+    b_dxhat = b_dxn.to(tl.float32) * b_g[None, :]
+    return b_xhat, b_dxhat, tl.sum(b_dxhat * b_xhat, axis=1)
+
+
+@triton.jit
+def _chunk_finish(dx_ptr, o_t, m_t, o_k, m_k, K: tl.constexpr, b_rs, b_c, b_xhat, b_dxhat, b_dxn, b_dw):
+    """Store the tile's dx = rsigma * (dxhat - xhat * c); return b_dw + dxn * xhat."""
+    b_dx = b_rs[:, None] * (b_dxhat - b_xhat * b_c[:, None])
+    tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty),
+             mask=m_t[:, None] & m_k[None, :])
+    return b_dw + b_dxn.to(tl.float32) * b_xhat
+
+
+@triton.jit
 def _rmsnorm_bwd_kernel(
     dxn_ptr, stride_dxn, x_ptr, stride_x, rsigma_ptr, w_ptr, dx_ptr, dw_part_ptr,
     T,
@@ -35,16 +61,12 @@ def _rmsnorm_bwd_kernel(
     i_p = tl.program_id(0).to(tl.int64)
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
-    b_g = tl.load(w_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
-    if ZERO_CENTERED:
-        b_g = b_g + 1.0
+    b_g = _gamma(w_ptr, o_k, m_k, ZERO_CENTERED)
     b_dw = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     if BLOCK_K2 > 0:
         o_k2 = BLOCK_K + tl.arange(0, BLOCK_K2)
         m_k2 = o_k2 < K
-        b_g2 = tl.load(w_ptr + o_k2, mask=m_k2, other=0.0).to(tl.float32)
-        if ZERO_CENTERED:
-            b_g2 = b_g2 + 1.0
+        b_g2 = _gamma(w_ptr, o_k2, m_k2, ZERO_CENTERED)
         b_dw2 = tl.zeros([ROWS, BLOCK_K2], dtype=tl.float32)
     # PREFETCH: the next step's x / dxn / rsigma are loaded before this step's reduction and store (a register
     # double buffer: Triton pipelines no loads outside dot loops, and each step waits on a reduction)
@@ -66,23 +88,14 @@ def _rmsnorm_bwd_kernel(
             b_x, b_dxn, b_rs = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, m_k)
             if BLOCK_K2 > 0:
                 b_x2, b_dxn2, _ = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k2, m_k2)
-        b_xhat = b_x.to(tl.float32) * b_rs[:, None]
-        b_dxhat = b_dxn.to(tl.float32) * b_g[None, :]
-        b_dot = tl.sum(b_dxhat * b_xhat, axis=1)  # [ROWS]
+        b_xhat, b_dxhat, b_dot = _chunk_terms(b_x, b_dxn, b_rs, b_g)  # b_dot [ROWS]
         if BLOCK_K2 > 0:
-            b_xhat2 = b_x2.to(tl.float32) * b_rs[:, None]
-            b_dxhat2 = b_dxn2.to(tl.float32) * b_g2[None, :]
-            b_dot += tl.sum(b_dxhat2 * b_xhat2, axis=1)
+            b_xhat2, b_dxhat2, b_dot2 = _chunk_terms(b_x2, b_dxn2, b_rs, b_g2)
+            b_dot += b_dot2
         b_c = b_dot / K
-        b_dx = b_rs[:, None] * (b_dxhat - b_xhat * b_c[:, None])
-        tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty),
-                 mask=m_t[:, None] & m_k[None, :])
-        b_dw += b_dxn.to(tl.float32) * b_xhat
+        b_dw = _chunk_finish(dx_ptr, o_t, m_t, o_k, m_k, K, b_rs, b_c, b_xhat, b_dxhat, b_dxn, b_dw)
         if BLOCK_K2 > 0:
-            b_dx2 = b_rs[:, None] * (b_dxhat2 - b_xhat2 * b_c[:, None])
-            tl.store(dx_ptr + o_t[:, None] * K + o_k2[None, :], b_dx2.to(dx_ptr.dtype.element_ty),
-                     mask=m_t[:, None] & m_k2[None, :])
-            b_dw2 += b_dxn2.to(tl.float32) * b_xhat2
+            b_dw2 = _chunk_finish(dx_ptr, o_t, m_t, o_k2, m_k2, K, b_rs, b_c, b_xhat2, b_dxhat2, b_dxn2, b_dw2)
         if PREFETCH:
             b_x, b_dxn, b_rs = b_x_n, b_dxn_n, b_rs_n
             if BLOCK_K2 > 0:
