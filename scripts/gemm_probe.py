@@ -110,8 +110,9 @@ def run_variants(T, variants, dev, table):
     t_cublas = bench(lambda: a @ w.t())
     for mode, ov in variants:
         cfg = make_cfg(*MODES[mode])
-        base = qg.qproj_gemm_fwd(a, qg.prepare_fused_weight(w, cfg), c, s, cfg)
-        wv = qg.prepare_fused_weight(w, cfg, hb=ov.get("HB", qg.HALF_N))
+        wp = qg.prepare_fused_weight(w, cfg)
+        base = qg.qproj_gemm_fwd(a, wp, c, s, cfg)
+        wv = qg.prepare_fused_weight(w, cfg, hb=ov["HB"]) if "HB" in ov else wp
         try:
             out = qg.qproj_gemm_fwd(a, wv, c, s, cfg, **ov)
             same = ov.get("EPILOGUE", True) is False or all(

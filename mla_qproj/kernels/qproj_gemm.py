@@ -40,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._config import QProjConfig, interpreter_enabled
 from ._common import amax_nan_ignoring, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16
 
-BLOCK_N = 256  # rows of W' per tile (two halves); fixed because `prepare_fused_weight` lays W' out per tile
+BLOCK_N = 256  # default rows of W' per tile (two halves of HALF_N); W' is laid out per tile: `prepare_fused_weight(hb)`
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
 # (encoded on the host at every launch) cost more than the faster stores save
 TMA_STORE_MIN_T = 8192
@@ -418,7 +418,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def _pick_config(T: int, device: torch.device) -> dict:
-    """Fixed configs keyed on a T bucket (autotuning costs seconds per config). BLOCK_N = 256 is fixed by W'."""
+    """Fixed configs keyed on a T bucket (autotuning costs seconds per config). The tile width (2·HB) is W''s."""
     if device.type != "cuda":  # interpreter: small tiles keep the CPU emulation quick and exercise edges
         return dict(BLOCK_M=32, BLOCK_K=32, GROUP_M=2, NUM_SMS=3, num_warps=4, num_stages=1)
     if T <= 64:
