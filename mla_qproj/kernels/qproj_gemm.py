@@ -418,7 +418,7 @@ def _num_sms(device_index: int) -> int:
 
 
 def _pick_config(T: int, device: torch.device) -> dict:
-    """Fixed configs keyed on a T bucket (autotuning costs seconds per config). The tile width (2·HB) is W''s."""
+    """Fixed configs keyed on a T bucket (autotuning costs seconds per config). The tile width (2·HB) is W' layout's."""
     if device.type != "cuda":  # interpreter: small tiles keep the CPU emulation quick and exercise edges
         return dict(BLOCK_M=32, BLOCK_K=32, GROUP_M=2, NUM_SMS=3, num_warps=4, num_stages=1)
     if T <= 64:
