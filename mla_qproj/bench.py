@@ -14,7 +14,9 @@ Rows per T (all in one process, same inputs):
   compiled_unfused_bf16_fwdbwd  torch.compile(RMSNorm -> bf16 Linear -> DeepSeek RoPE), forward + backward
   ours_mxfp8_fwdbwd             ours (mxfp8 in, mxfp8 out) forward + backward
 Forward rows run under torch.no_grad() (inference); fwd+bwd rows use a random bf16 upstream gradient and get
-grads for x, norm weight and weight. Times are triton.testing.do_bench medians (L2 flushed before each call).
+grads for x, norm weight and weight. Times: every row is timed --rounds times round-robin (triton.testing.do_bench
+medians, L2 flushed before each call) and the median over the rounds is reported with its spread; ratios are the
+median over the rounds of the same round's ratio (the GPU's clock drifts over a run: same-round rows share it).
 FLOPs: 2*T*K*N per GEMM (forward 1 GEMM, fwd+bwd 3). "t/cuBLAS" = ms / cublas_bf16_gemm ms (forward rows);
 "speed-up" = ms of the unfused compiled peer of the same kind / ms. Peak memory (fwd+bwd rows) is
 torch.cuda.max_memory_allocated over one call after reset, in MiB; "+MiB" is that peak minus what was
@@ -221,41 +223,91 @@ def measure_peak(fn: Callable, grads: list[torch.Tensor]) -> tuple[float, float]
     return peak / 2**20, (peak - base) / 2**20
 
 
-def bench_one(row: Row, c: dict, warmup: int, rep: int) -> dict:
-    """Time one row at one T; errors are recorded, never raised."""
-    from triton.testing import do_bench
-
-    T = c["x"].shape[0]
-    res = {"T": T, "name": row.name, "kind": row.kind, "ref": row.ref}
+def build_row(row: Row, c: dict) -> tuple[Callable | None, list[torch.Tensor], str | None]:
+    """(fn, tensors whose .grad is reset, None) or (None, [], error message): a failing build is a result."""
     try:
         fn, grads = row.build(c)
-        ctx = torch.no_grad() if row.kind == "fwd" else torch.enable_grad()
-        with ctx:
-            ms, p20, p80 = do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grads or None, quantiles=[0.5, 0.2, 0.8])
-            if row.kind == "fwdbwd":
-                res["peak_mib"], res["peak_extra_mib"] = measure_peak(fn, grads)
-        gemms = 1 if row.kind == "fwd" else 3
-        res.update(ms=ms, p20_ms=p20, p80_ms=p80, tflops=gemms * 2 * T * K * N / (ms * 1e-3) / 1e12)
+        return fn, grads, None
     except Exception as e:  # a failing peer (compile error, OOM, missing module) is a result, not a crash
-        res["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-    torch.cuda.synchronize()
-    return res
+        return None, [], _err(e)
+
+
+def _err(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+
+
+def time_row(row: Row, fn: Callable, grads: list[torch.Tensor], warmup: int, rep: int) -> tuple[float, float, float]:
+    """do_bench (median, p20, p80) of one row, under no_grad for forward rows."""
+    from triton.testing import do_bench
+
+    ctx = torch.no_grad() if row.kind == "fwd" else torch.enable_grad()
+    with ctx:
+        return tuple(do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grads or None, quantiles=[0.5, 0.2, 0.8]))
+
+
+def bench_T(rows: list[Row], c: dict, warmup: int, rep: int, rounds: int) -> list[dict]:
+    """Every row at one T, `rounds` times round-robin (the GPU's clock and thermal state drift over a run: each
+    round times every row once, so a row and its peer see the same conditions); ms = median over the rounds of
+    each round's do_bench median, ms_rounds keeps them all. Errors are recorded, never raised."""
+    T = c["x"].shape[0]
+    built = [(row, *build_row(row, c)) for row in rows]
+    res = {row.name: {"T": T, "name": row.name, "kind": row.kind, "ref": row.ref, "ms_rounds": []} for row in rows}
+    for rnd in range(rounds):
+        for row, fn, grads, err in built:
+            r = res[row.name]
+            if err is not None or "error" in r:
+                r.setdefault("error", err)
+                continue
+            try:
+                ms, p20, p80 = time_row(row, fn, grads, warmup, rep)
+                r["ms_rounds"].append(ms)
+                r.setdefault("p20_ms_rounds", []).append(p20)
+                r.setdefault("p80_ms_rounds", []).append(p80)
+                print(f"  T={T:<6} round {rnd} {row.name:<30} {ms:.3f} ms", flush=True)
+            except Exception as e:
+                r["error"] = _err(e)
+                print(f"  T={T:<6} round {rnd} {row.name:<30} {r['error']}", flush=True)
+    out = []
+    for row, fn, grads, _ in built:
+        r = res[row.name]
+        if "error" not in r:
+            try:
+                if row.kind == "fwdbwd":
+                    with torch.enable_grad():
+                        r["peak_mib"], r["peak_extra_mib"] = measure_peak(fn, grads)
+                v = sorted(r["ms_rounds"])
+                r["ms"] = _median(v)
+                r["spread"] = (v[-1] - v[0]) / r["ms"]
+                gemms = 1 if row.kind == "fwd" else 3
+                r["tflops"] = gemms * 2 * T * K * N / (r["ms"] * 1e-3) / 1e12
+            except Exception as e:
+                r["error"] = _err(e)
+        torch.cuda.synchronize()
+        out.append(r)
+    return out
+
+
+def _median(v: list[float]) -> float:
+    v = sorted(v)
+    return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
 
 
 def add_ratios(results: list[dict]) -> None:
-    """t/cuBLAS for forward rows and speed-up vs the row's compiled peer, in place."""
+    """t/cuBLAS for forward rows and speed-up vs the row's compiled peer, in place: the median over rounds of the
+    same round's ratio (both timed under the same conditions)."""
     by = {(r["T"], r["name"]): r for r in results}
     for r in results:
         cub, ref = by.get((r["T"], "cublas_bf16_gemm"), {}), by.get((r["T"], r["ref"]), {})
         if "ms" in r and r["kind"] == "fwd" and "ms" in cub:
-            r["vs_cublas"] = r["ms"] / cub["ms"]
+            r["vs_cublas"] = _median([a / b for a, b in zip(r["ms_rounds"], cub["ms_rounds"], strict=False)])
         if "ms" in r and "ms" in ref:
-            r["speedup"] = ref["ms"] / r["ms"]
+            r["speedup"] = _median([b / a for a, b in zip(r["ms_rounds"], ref["ms_rounds"], strict=False)])
 
 
 def format_table(results: list[dict]) -> str:
     """Fixed-width plain-text table (errors listed below it)."""
-    head = f"{'T':>6}  {'impl':<30}{'ms':>9}{'TFLOP/s':>9}{'t/cuBLAS':>9}{'speed-up':>9}{'peak MiB':>10}{'+MiB':>9}"
+    head = (f"{'T':>6}  {'impl':<30}{'ms':>9}{'spread':>8}{'TFLOP/s':>9}{'t/cuBLAS':>9}{'speed-up':>9}"
+            f"{'peak MiB':>10}{'+MiB':>9}")
     lines, errs = [head, "-" * len(head)], []
     for r in results:
         def f(key: str, fmt: str, r: dict = r) -> str:
@@ -265,7 +317,8 @@ def format_table(results: list[dict]) -> str:
             errs.append(f"  T={r['T']} {r['name']}: {r['error']}")
             lines.append(f"{r['T']:>6}  {r['name']:<30}{'ERROR (see below)':>18}")
             continue
-        lines.append(f"{r['T']:>6}  {r['name']:<30}{f('ms', '.3f'):>9}{f('tflops', '.1f'):>9}"
+        spread = f"{100 * r['spread']:.1f}%" if "spread" in r else "-"
+        lines.append(f"{r['T']:>6}  {r['name']:<30}{f('ms', '.3f'):>9}{spread:>8}{f('tflops', '.1f'):>9}"
                      f"{f('vs_cublas', '.2f'):>9}{f('speedup', '.2f'):>9}{f('peak_mib', '.0f'):>10}"
                      f"{f('peak_extra_mib', '.0f'):>9}")
     return "\n".join(lines + (["errors:"] + errs if errs else []))
@@ -320,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--compile-mode", default="default", help="torch.compile mode of the peers")
+    p.add_argument("--rounds", type=int, default=3, help="times every row is timed, round-robin (median reported)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("mla_qproj.bench: no CUDA GPU found; this benchmark needs one. Nothing to do.")
@@ -336,23 +390,22 @@ def main(argv: list[str] | None = None) -> int:
     for T in tokens:
         c = make_inputs(T, w, g, device)
         backward_call = pick_backward(layers["mxfp8"], c)
-        for row in rows:
-            r = bench_one(row, c, args.warmup, args.rep)
-            results.append(r)
-            print(f"  T={T:<6} {row.name:<30} " + (f"{r['ms']:.3f} ms" if "ms" in r else r["error"]), flush=True)
+        results += bench_T(rows, c, args.warmup, args.rep, args.rounds)
         del c
         torch.cuda.empty_cache()
     add_ratios(results)
     os.makedirs(args.out, exist_ok=True)
     png = plot(results, os.path.join(args.out, "bench.png"), env["device"])
     meta = {"K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE, "q_head_dim": D, "N": N,
-            "warmup_ms": args.warmup, "rep_ms": args.rep, "compile_mode": args.compile_mode,
+            "warmup_ms": args.warmup, "rep_ms": args.rep, "rounds": args.rounds, "compile_mode": args.compile_mode,
             "ours_backward_call": backward_call, "forward_rows_under": "torch.no_grad()",
             "ours_layer_errors": {v: repr(e) for v, e in layers.items() if isinstance(e, Exception)}}
     with open(os.path.join(args.out, "bench.json"), "w") as fh:
         json.dump({"environment": env, "settings": meta, "results": results}, fh, indent=1)
     print(f"wrote {os.path.join(args.out, 'bench.json')}" + (f" and {png}" if png else " (no matplotlib: no PNG)"))
-    print(f"ours fwd+bwd via {backward_call}; forward rows under torch.no_grad(); medians of do_bench\n")
+    print(f"ours fwd+bwd via {backward_call}; forward rows under torch.no_grad(); median over {args.rounds} "
+          "round-robin rounds of do_bench medians (spread: max - min over the rounds, of the median); ratios: median "
+          "of the same round's ratios\n")
     print(format_table(results))
     return 0
 

@@ -132,6 +132,11 @@ def main() -> None:
                 rows.append((T, name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
             except Exception as e:
                 rows.append((T, name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
+        # the same bytes through a copy kernel: what a kernel of this size reaches (launch, ramp-up and tail included)
+        src = torch.empty(nbytes // 8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = bench(lambda: dst.copy_(src))  # noqa: B023
+        rows.append((T, "device copy of the RMSNorm backward's bytes", "", ms, 2 * src.numel() * 4 / ms / 1e6))
         for pps, sk in ((4, {}), (4, s128)):  # the partial sum alone: its share of the two launches
             part = torch.randn(triton.cdiv(T, triton.next_power_of_2(triton.cdiv(T, pps * 132))), K, device="cuda")
             dg = torch.empty(K, device="cuda", dtype=torch.bfloat16)
