@@ -92,14 +92,16 @@ def _fused_gemm():
 # ------------------------------------------------------------------------------------------------ forward
 
 
-def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, use_triton: bool):
-    """Returns (outputs as reference.qproj.quantize_output, rsigma, xn_saved)."""
+def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, use_triton: bool,
+            save: bool = True):
+    """Returns (outputs as reference.qproj.quantize_output, rsigma, xn_saved). save=False (inference): the Triton
+    path skips xn's columnwise MXFP8 (xn_saved is then empty), which only the backward reads."""
     if not use_triton:
         return ref.qproj_fwd(x2d, norm_weight, pw.fwd, cos_h, sin_h, cfg)
     from .ops import rmsnorm_quant_fwd_op, rope_quant_op
 
     rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, cfg.precision,
-                                               cfg.scale_mode)
+                                               cfg.scale_mode, save)
     xn_saved = (xcd, xcs) if cfg.precision == "mxfp8" else a
     T, H, D = x2d.shape[0], cfg.num_heads, cfg.q_head_dim
     if pw.fused is not None:

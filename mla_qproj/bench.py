@@ -73,6 +73,20 @@ def environment() -> dict:
     }
 
 
+def gpu_state() -> str:
+    """SM clock, power draw and temperature from nvidia-smi (empty when it is not there): printed before and after
+    the run, since the chip's clock under sustained GEMM load is what moves same-work timings between rows."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu",
+                              "--format=csv,noheader", "-i", str(torch.cuda.current_device())],
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out
+
+
 def _rmsnorm_fp32(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * g in fp32."""
     xf = x.float()
@@ -384,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     for k in ("device", "capability", "torch", "triton", "cuda", "date"):
         print(f"{k:>10}: {env[k]}")
+    env["gpu_state_before"] = gpu_state()
+    print(f"gpu state (sm clock, max sm clock, power, temperature): {env['gpu_state_before']}")
     layers, w, g = make_layers(device)
     rows = make_rows(layers, args.compile_mode)
     results, backward_call = [], None
@@ -394,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         del c
         torch.cuda.empty_cache()
     add_ratios(results)
+    env["gpu_state_after"] = gpu_state()
+    print(f"gpu state after: {env['gpu_state_after']}")
     os.makedirs(args.out, exist_ok=True)
     png = plot(results, os.path.join(args.out, "bench.png"), env["device"])
     meta = {"K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE, "q_head_dim": D, "N": N,

@@ -15,15 +15,16 @@ from ._config import QProjConfig
 from .tensor import MXFP8Tensor
 
 
-def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool):
+def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool, save: bool = True):
     """The forward math and the query object: (q, x2d, rsigma, xn_saved). Shared by the autograd Function and the
-    module's no-grad call (which skips the Function's bookkeeping: host time at small T)."""
+    module's no-grad call (save=False: it skips the Function's bookkeeping, host time at small T, and the columnwise
+    MXFP8 of xn that only the backward reads)."""
     lead = x.shape[:-1]
     # the kernels need a unit inner stride; a [b, s] / [s, b] layout is fine, other strides are copied here
     x2d = x.reshape(-1, cfg.q_lora_rank)
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    outs, rsigma, xn_saved = backend.forward(x2d, norm_weight, pw, cos_h, sin_h, cfg, use_triton)
+    outs, rsigma, xn_saved = backend.forward(x2d, norm_weight, pw, cos_h, sin_h, cfg, use_triton, save)
     H, D = cfg.num_heads, cfg.q_head_dim
     qshape = lead + (H, D)
     if cfg.output_format == "bf16":

@@ -235,6 +235,6 @@ class FusedMLAQUpProjection(nn.Module):
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.norm_weight.requires_grad
                                                   or self.weight.requires_grad)
         if not needs_grad and not torch.compiler.is_compiling():  # inference: no autograd bookkeeping
-            return forward_query(x, self.norm_weight, cos_h, sin_h, pw, self.cfg, use_triton)[0]
+            return forward_query(x, self.norm_weight, cos_h, sin_h, pw, self.cfg, use_triton, save=False)[0]
         return _FusedMLAQUpProjFunction.apply(x, self.norm_weight, self.weight, cos_h, sin_h, pw, self.cfg,
                                               use_triton)

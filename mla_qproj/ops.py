@@ -70,8 +70,8 @@ def _(data, scale):
 
 
 def _rmsnorm_quant_fwd_impl(x2d: Tensor, norm_weight: Tensor, eps: float, zero_centered_gamma: bool, precision: str,
-                         scale_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return rmsnorm_quant_fwd(x2d, norm_weight, eps, zero_centered_gamma, precision, scale_mode)
+                         scale_mode: str, columnwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return rmsnorm_quant_fwd(x2d, norm_weight, eps, zero_centered_gamma, precision, scale_mode, columnwise)
 
 
 _rmsnorm_quant_fwd_def = torch.library.custom_op(
@@ -80,9 +80,9 @@ rmsnorm_quant_fwd_op = _eager_fast(_rmsnorm_quant_fwd_def, _rmsnorm_quant_fwd_im
 
 
 @_rmsnorm_quant_fwd_def.register_fake
-def _(x2d, norm_weight, eps, zero_centered_gamma, precision, scale_mode):
+def _(x2d, norm_weight, eps, zero_centered_gamma, precision, scale_mode, columnwise):
     T, K = x2d.shape
-    mx = precision == "mxfp8"
+    mx = precision == "mxfp8" and columnwise
     e = x2d.new_empty
     return (e((T,), dtype=torch.float32), e((T, K), dtype=torch.bfloat16), e((T, K) if mx else (0,), dtype=_F8),
             e((_cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8))

@@ -53,6 +53,20 @@ def test_rmsnorm_quant(precision, zc, T, split):
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["rsigma-kernel", "one-kernel"])
+def test_rmsnorm_quant_without_columnwise(split):
+    """Inference (nothing saved for backward): the columnwise pair is skipped and left empty; rsigma and the A image
+    are the same bytes as with it."""
+    T, K = 45, 96
+    x = (torch.randn(T, K) * 3).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(K, device=DEVICE)
+    full = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", SPLIT=split)
+    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", columnwise=False, SPLIT=split)
+    assert cd.numel() == 0 and cs.numel() == 0
+    assert_bytes_equal(rs, full[0], "rsigma")
+    assert_bytes_equal(a, full[1], "A image")
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["rsigma-kernel", "one-kernel"])
 def test_rmsnorm_quant_special_values(split):
     """Special values reach the quantizer through the norm weight: inf and NaN columns, magnitudes at the E4M3 /
     E8M0 edges, subnormal and zero columns, a NaN token row; the A image equals the reference's (NaN positions only
@@ -251,7 +265,9 @@ def test_custom_ops_opcheck():
     c, s = torch.randn(T, 16, device=DEVICE), torch.randn(T, 16, device=DEVICE)
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(ops.mxfp8_quantize_2d_op.op, (y, True, True, "rceil"), test_utils=tests)
-    torch.library.opcheck(ops.rmsnorm_quant_fwd_op.op, (x, w, 1e-6, False, "mxfp8", "rceil"), test_utils=tests)
+    for colwise in (True, False):
+        torch.library.opcheck(ops.rmsnorm_quant_fwd_op.op, (x, w, 1e-6, False, "mxfp8", "rceil", colwise),
+                              test_utils=tests)
     for mode in ("mxfp8", "mxfp8_images", "bf16", "fp32"):
         args = (y, c, s, H, D, 16, 32, "deepseek", mode == "mxfp8_images", mode, mode != "bf16", "rceil")
         torch.library.opcheck(ops.rope_quant_op.op, args, test_utils=tests)

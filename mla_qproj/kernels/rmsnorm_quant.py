@@ -20,11 +20,11 @@ def _rmsnorm_quant_fwd_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, a_ptr, col_data_ptr, col_scale_ptr,
     T, eps, K: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, PRECISION: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNK_K: tl.constexpr, EMULATED: tl.constexpr, RSIGMA_GIVEN: tl.constexpr,
+    CHUNK_K: tl.constexpr, EMULATED: tl.constexpr, RSIGMA_GIVEN: tl.constexpr, COLWISE: tl.constexpr,
 ):
     """Program (32 tokens, column chunk): rsigma = 1/sqrt(mean(x^2) + eps) over the whole row (every chunk's
     program computes it the same way; chunk 0 stores it), then for the chunk's columns xn = x * rsigma * g (fp32)
-    -> A = dequant(quant_row(xn)) as bf16 and the columnwise MXFP8 of xn."""
+    -> A = dequant(quant_row(xn)) as bf16 and (COLWISE: saved for backward) the columnwise MXFP8 of xn."""
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     o_t = i_t * 32 + tl.arange(0, 32)
@@ -59,10 +59,11 @@ def _rmsnorm_quant_fwd_kernel(
             b_q = dequantize_e4m3(quantize_e4m3(b_xr, b_byte[:, :, None], EMULATED, True), b_byte[:, :, None],
                                   b_xr, EMULATED)
             tl.store(p_a, tl.reshape(b_q, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
-            b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
-            b_cq = quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED, True)
-            tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m)
-            tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
+            if COLWISE:
+                b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
+                b_cq = quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED, True)
+                tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m)
+                tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
         else:
             tl.static_assert(PRECISION == "bf16")
             tl.store(p_a, to_bf16(b_xn, EMULATED), mask=m)
@@ -99,12 +100,13 @@ def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
 
 
 def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
-                      precision: str, scale_mode: str, **knobs):
+                      precision: str, scale_mode: str, columnwise: bool = True, **knobs):
     """x2d [T, K] (unit inner stride) -> (rsigma [T] fp32, A [T, K] bf16, col_data [T, K] fp8,
-    col_scale [ceil(T/32), K] uint8); the columnwise pair is empty for precision='bf16'."""
+    col_scale [ceil(T/32), K] uint8); the columnwise pair (what the backward saves) is empty for precision='bf16'
+    or columnwise=False (inference: nothing is saved)."""
     T, K = x2d.shape
     dev = x2d.device
-    mx = precision == "mxfp8"
+    mx = precision == "mxfp8" and columnwise
     rsigma = torch.empty(T, dtype=torch.float32, device=dev)
     a = torch.empty((T, K), dtype=torch.bfloat16, device=dev)
     cd = torch.empty((T, K) if mx else (0,), dtype=torch.float8_e4m3fn, device=dev)
@@ -119,6 +121,7 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32), triton.cdiv(K, conf["CHUNK_K"]))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd, col_scale_ptr=cs, T=T, K=K, eps=eps,
-        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, RSIGMA_GIVEN=split, **conf,
+        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, RSIGMA_GIVEN=split,
+        COLWISE=mx, **conf,
     )
     return rsigma, a, cd, cs
