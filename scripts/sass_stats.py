@@ -37,7 +37,7 @@ def stats(fn, sig: dict, constexprs: dict, aligned: tuple = (), **options) -> di
     sass = subprocess.run([f"{BIN}/cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     regs = re.search(r"REG:(\d+)", res)
-    local = re.search(r"LOCAL:(\d+)", res)
+    local = re.search(r"STACK:(\d+)", res)  # spilled registers live in the stack frame (LOCAL stays 0 for spills)
     ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M))
     return dict(regs=int(regs.group(1)) if regs else -1, local=int(local.group(1)) if local else -1,
                 shared=c.metadata.shared, total=sum(ops.values()), **{k: ops.get(k, 0) for k in KEEP})
