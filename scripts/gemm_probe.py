@@ -132,7 +132,7 @@ def main():
     global _log
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma", "occ2", "hb64", "pack"],
+    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma", "occ2", "hb64"],
                     help="launch-knob variants at the largest T (short: GEMM-only ceiling and num_stages=4)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
@@ -170,7 +170,7 @@ def main():
         torch.cuda.empty_cache()
 
     # launch knobs at the largest T (hb64: at every T), each checked byte-for-byte against the default launch
-    for T in (args.T if args.variants in ("hb64", "pack") else args.T[-1:]) if args.variants else ():
+    for T in (args.T if args.variants == "hb64" else args.T[-1:]) if args.variants else ():
         variants = [("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", dict(num_stages=4)),
                     ("bf16", dict(num_stages=4))]
         if args.variants == "tma":  # epilogue stores through tensor descriptors (TMA, asynchronous)
@@ -195,11 +195,6 @@ def main():
                         ("mxfp8 row", dict(o2, EPILOGUE=False)), ("mxfp8 row", dict(o2, TMA_STORE=True, num_stages=2)),
                         ("mxfp8 row", dict(o2, num_stages=2)), ("mxfp8 row", dict(o2, GROUP_M=16)),
                         ("mxfp8 row", dict(HB=64)), ("bf16", o2), ("mxfp8 row+col", o2)]
-        if args.variants == "pack":  # rowwise scale bytes in uint16 pairs; pass, pass, rope tile-column order
-            variants = [("mxfp8 row", {}), ("mxfp8 row", dict(PACK_SCALES=True)), ("mxfp8 row", dict(INTERLEAVE=True)),
-                        ("mxfp8 row", dict(PACK_SCALES=True, INTERLEAVE=True)), ("mxfp8 row", {}),
-                        ("mxfp8 row", dict(PACK_SCALES=True, INTERLEAVE=True)),
-                        ("mxfp8 row+col", dict(PACK_SCALES=True, INTERLEAVE=True))]
         if args.variants == "all":
             variants += [("mxfp8 row", dict(FLATTEN=False)), ("mxfp8 row", dict(TWO_DOTS=True)),
                          ("mxfp8 row", dict(BLOCK_K=128, num_stages=2)), ("mxfp8 row", dict(GROUP_M=4)),

@@ -26,8 +26,6 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not
 from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
     _column_maps,
     fused_gemm_supported,
-    fused_layout,
-    pack_scales_supported,
     prepare_fused_weight,
     qproj_gemm_fwd,
     tma_store_supported,
@@ -136,35 +134,6 @@ def test_tma_store_epilogue(style, fmt, col, P, device):
     _check(out, ref, cfg)
     assert not tma_store_supported(_cfg(64, 3, 96, 64, 160))  # pass-through halves would straddle heads
     assert not tma_store_supported(_cfg(64, 3, 128, 64, 192, style="gptj", fmt="bf16"))  # interleaved halves
-
-
-@pytest.mark.parametrize("style", ["deepseek", "neox"])
-@pytest.mark.parametrize("tma,pack,inter", [(True, True, True), (False, True, False), (True, False, True)])
-@pytest.mark.parametrize("geo", [(64, 4, 128, 64, 192), (64, 5, 128, 64, 192)])  # 2 + 1 tiles, 3 + 2
-def test_packed_scales_and_interleaved_tiles(style, tma, pack, inter, geo, device):
-    """PACK_SCALES (rowwise scale bytes stored as uint16 pairs) and INTERLEAVE (tile columns ordered pass, pass,
-    rope): the same bytes as the defaults and the reference's codes; T not a multiple of the tile (clipped rows)."""
-    cfg = _cfg(*geo, style=style, fmt="mxfp8", col=False)
-    nt_pass, nt_rope, _ = fused_layout(cfg)
-    assert pack_scales_supported(cfg)
-    a, w, cos_h, sin_h, ref = _case(45, cfg, device)
-    wp = prepare_fused_weight(w, cfg)
-    if inter and nt_pass != 2 * nt_rope:
-        with pytest.raises(ValueError, match="INTERLEAVE"):
-            qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, INTERLEAVE=True)
-        inter = False
-    knobs = dict(TMA_STORE=tma and tma_store_supported(cfg))
-    out = qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, PACK_SCALES=pack, INTERLEAVE=inter, **knobs)
-    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, **knobs), strict=True)):
-        if b is not None:
-            assert_bytes_equal(o, b, f"PACK_SCALES={pack} INTERLEAVE={inter} output {i}")
-    _check(out, ref, cfg)
-    assert not pack_scales_supported(_cfg(64, 3, 96, 64, 160))  # P / 32 odd: pairs at odd byte offsets
-    assert not pack_scales_supported(_cfg(64, 3, 128, 32, 160))  # R / 2 = 16: a block holds two heads' pairs
-    bad = _cfg(64, 3, 96, 64, 160)
-    a, w, cos_h, sin_h, _ = _case(1, bad, device)
-    with pytest.raises(ValueError, match="PACK_SCALES"):
-        qproj_gemm_fwd(a, prepare_fused_weight(w, bad), cos_h, sin_h, bad, PACK_SCALES=True)
 
 
 HB_CASES = [("deepseek", "mxfp8", True, False, 64), ("deepseek", "mxfp8", False, True, 64),

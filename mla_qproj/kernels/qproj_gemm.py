@@ -47,8 +47,7 @@ TMA_STORE_MIN_T = 8192
 HALF_N = BLOCK_N // 2
 _MX = 32
 
-__all__ = ["fused_gemm_supported", "prepare_fused_weight", "qproj_gemm_fwd", "fused_layout", "tma_store_supported",
-           "pack_scales_supported"]
+__all__ = ["fused_gemm_supported", "prepare_fused_weight", "qproj_gemm_fwd", "fused_layout", "tma_store_supported"]
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -85,15 +84,6 @@ def tma_store_supported(cfg: QProjConfig, hb: int = HALF_N) -> bool:
     elem = 1 if cfg.output_format == "mxfp8" else 2
     return (fused_gemm_supported(cfg) and cfg.rope_style != "gptj" and P % hb == 0 and D == P + R
             and hb % RH == 0 and RH * elem >= 16 and (D * elem) % 16 == 0)
-
-
-def pack_scales_supported(cfg: QProjConfig, hb: int = HALF_N) -> bool:
-    """PACK_SCALES: rowwise scale bytes stored in pairs (uint16). Needs MXFP8 output, deepseek / neox halves, R/2 = 32
-    (a rope half's blocks are one per head, lo's and hi's adjacent), P / 32 and D / 32 even (pairs at even byte
-    offsets), no trailing pass-through and P % hb == 0 (a pass-through half is 2k blocks of one head)."""
-    P, R, D = cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim
-    return (fused_gemm_supported(cfg) and cfg.output_format == "mxfp8" and cfg.rope_style != "gptj" and R == 64
-            and P % 64 == 0 and D == P + R and P % hb == 0 and hb % 64 == 0)
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,20 +196,6 @@ def _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, GS: tl.constexpr, HALF: 
 
 
 @triton.jit
-def _store_scale_pairs(rs_ptr, b_even, b_odd, o_t, m_t, i_n, HALF: tl.constexpr, GW: tl.constexpr, H: tl.constexpr,
-                       D: tl.constexpr, P: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr, PAIRED: tl.constexpr,
-                       SEG: tl.constexpr, NT_PASS: tl.constexpr, HB: tl.constexpr):
-    """PACK_SCALES: two rowwise scale bytes that sit next to each other in the output ([T, H, D/32], even byte
-    offset) stored as one uint16 (half the store transactions): b_even / b_odd [BLOCK_M, n] are the bytes of the
-    blocks at kernel columns g·GW of half HALF and the block right after each."""
-    o_g, m_g, _ = _out_cols(i_n, tl.arange(0, b_even.shape[1]) * GW, HALF, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-    NS2: tl.constexpr = H * D // 64  # uint16 per token row
-    rs16 = rs_ptr.to(tl.pointer_type(tl.uint16))
-    v = (b_even | (b_odd << 8)).to(tl.uint16)  # little-endian: the even block's byte first
-    tl.store(rs16 + o_t[:, None] * NS2 + (o_g // 64)[None, :], v, mask=m_t[:, None] & m_g[None, :])
-
-
-@triton.jit
 def _tma_store_half(desc_pass, desc_rope, b_v, i_m, i_n, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
                     HB: tl.constexpr, P: tl.constexpr, R: tl.constexpr, NT_PASS: tl.constexpr):
     """Store one half b_v [BLOCK_M, HB] (output dtype) through a tensor descriptor of the [T, H, D] output (TMA on
@@ -243,11 +219,9 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
                 BLOCK_M: tl.constexpr, HB: tl.constexpr, H: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
                 R: tl.constexpr, STYLE: tl.constexpr, PAIRED: tl.constexpr, SEG: tl.constexpr,
                 NT_PASS: tl.constexpr, OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr,
-                SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr, PACK_SCALES: tl.constexpr):
+                SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr):
     """Store one half b_y [BLOCK_M, HB] (fp32, after RoPE): bf16, or MXFP8 rowwise (unless PAIRED, done by the
-    caller) and columnwise. Returns the rowwise scale bytes [BLOCK_M, HB // 32] (PACK_SCALES: the caller stores
-    them, in pairs; otherwise stored here)."""
-    b_byte = tl.zeros([BLOCK_M, HB // 32], dtype=tl.int32)
+    caller) and columnwise."""
     N: tl.constexpr = H * D
     o_n, m_n, _ = _out_cols(i_n, tl.arange(0, HB), HALF, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
     m = m_t[:, None] & m_n[None, :]
@@ -267,9 +241,8 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
                 _tma_store_half(yd_pass, yd_rope, b_q, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
                 tl.store(y_ptr + o_y, b_q, mask=m)
-            if not PACK_SCALES:
-                _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 32, HALF, H, D, P, R, STYLE, PAIRED, SEG,
-                                     NT_PASS, HB)
+            _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 32, HALF, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS,
+                                 HB)
         if COLWISE:
             # rows past T become NaN: ignored by the amax, so a partial block's amax is over the rows that exist
             b_c3 = tl.reshape(tl.where(m_t[:, None], b_y, float("nan")), [BLOCK_M // 32, 32, HB])
@@ -281,7 +254,6 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
                 tl.store(cd_ptr + o_y, b_cq, mask=m)
             m_b = o_tb < tl.cdiv(T, 32)  # o_tb [BLOCK_M // 32]: rows of the column scale
             tl.store(cs_ptr + o_tb[:, None] * N + o_n[None, :], b_cbyte.to(tl.uint8), mask=m_b[:, None] & m_n[None, :])
-    return b_byte
 
 
 def _launch_metadata(grid, kernel, args):
@@ -290,20 +262,13 @@ def _launch_metadata(grid, kernel, args):
 
 
 @triton.jit
-def _tile_coords(tile, num_m, NT_N: tl.constexpr, GROUP_M: tl.constexpr, NT_PASS: tl.constexpr,
-                 INTERLEAVE: tl.constexpr):
-    """GROUP_M-swizzled (row block, tile column) of a linear tile index (L2 reuse of W' across row blocks).
-    INTERLEAVE (NT_PASS == 2·NT_ROPE): tile columns in the order pass 2g, pass 2g + 1, rope g, ..., so the tiles
-    that write the same heads' outputs and scale bytes run close together (instead of every pass-through tile
-    first): the 32-byte sectors of the rowwise scales get all their bytes while they are in L2."""
+def _tile_coords(tile, num_m, NT_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """GROUP_M-swizzled (row block, tile column) of a linear tile index (L2 reuse of W' across row blocks)."""
     IN_GROUP: tl.constexpr = GROUP_M * NT_N
     first_m = (tile // IN_GROUP) * GROUP_M
     group_m = tl.minimum(num_m - first_m, GROUP_M)
     i_m = first_m + (tile % IN_GROUP) % group_m
     i_n = (tile % IN_GROUP) // group_m
-    if INTERLEAVE:
-        tl.static_assert(NT_PASS * 3 == NT_N * 2)
-        i_n = tl.where(i_n % 3 < 2, (i_n // 3) * 2 + i_n % 3, NT_PASS + i_n // 3)
     return i_m, i_n
 
 
@@ -349,7 +314,7 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
               H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
               PAIRED: tl.constexpr, SEG: tl.constexpr, OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr,
               SCALE_MODE: tl.constexpr, NT_PASS: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr,
-              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr, PACK_SCALES: tl.constexpr):
+              ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, TMA_STORE: tl.constexpr):
     """RoPE on a rope tile's halves, then bf16 / MXFP8 stores of both halves."""
     RH: tl.constexpr = R // 2
     o_t = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows, int64 offsets
@@ -390,23 +355,12 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
         tl.store(y_ptr + o_t[:, None] * N + o_l[None, :], b_ql, mask=m_t[:, None] & m_l[None, :])
         tl.store(y_ptr + o_t[:, None] * N + o_h[None, :], b_qh, mask=m_t[:, None] & m_h[None, :])
         _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 16, 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-    b_blo = _store_half(b_lo, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass,
-                        cd_rope, T, 0, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE,
-                        SCALE_MODE, EMULATED, TMA_STORE, PACK_SCALES)
-    b_bhi = _store_half(b_hi, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass,
-                        cd_rope, T, 1, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE,
-                        SCALE_MODE, EMULATED, TMA_STORE, PACK_SCALES)
-    if PACK_SCALES:  # `pack_scales_supported`: R = 64, even P / 32 and D / 32, a pass-through half inside one head
-        # both forms, masked by the tile's kind (a branch on it here trips Triton 3.6's loop flattening)
-        m_rope = m_t & (i_n >= NT_PASS)
-        m_pass = m_t & (i_n < NT_PASS)
-        # rope tile: lo's block (P / 32 of a head) and hi's (the next one), for each of its heads
-        _store_scale_pairs(rs_ptr, b_blo, b_bhi, o_t, m_rope, i_n, 0, 32, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-        # pass-through tile: blocks (2g, 2g + 1) of each half
-        b_e, b_o = tl.split(tl.reshape(b_blo, [BLOCK_M, HB // 64, 2]))
-        _store_scale_pairs(rs_ptr, b_e, b_o, o_t, m_pass, i_n, 0, 64, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-        b_e, b_o = tl.split(tl.reshape(b_bhi, [BLOCK_M, HB // 64, 2]))
-        _store_scale_pairs(rs_ptr, b_e, b_o, o_t, m_pass, i_n, 1, 64, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
+    _store_half(b_lo, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
+                0, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED,
+                TMA_STORE)
+    _store_half(b_hi, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass, yd_rope, cd_pass, cd_rope, T,
+                1, BLOCK_M, HB, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, OUT_FORMAT, COLWISE, SCALE_MODE, EMULATED,
+                TMA_STORE)
 
 
 @triton.jit(launch_metadata=_launch_metadata)
@@ -423,7 +377,6 @@ def _qproj_gemm_fwd_kernel(
     BLOCK_M: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
     TWO_DOTS: tl.constexpr, ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, DOT_F32: tl.constexpr,
     FLATTEN: tl.constexpr, SERIAL_LOOP: tl.constexpr, EPILOGUE: tl.constexpr, TMA_STORE: tl.constexpr,
-    PACK_SCALES: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):
     """lo = A·W'_loᵀ, hi = A·W'_hiᵀ (fp32); rope tiles: lo' = lo·c - hi·s, hi' = hi·c + lo·s;
     then each half -> bf16 or MXFP8 (rowwise 32-blocks along each head's D, columnwise 32-blocks along T)."""
@@ -434,23 +387,23 @@ def _qproj_gemm_fwd_kernel(
     if SERIAL_LOOP:  # interpreter: its range() cannot take tensor bounds (numpy 2), a while loop can
         tile = i_sm
         while tile < num_tiles:
-            i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M, NT_PASS, INTERLEAVE)
+            i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
             b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
             _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
                       yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
-                      NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE, PACK_SCALES)
+                      NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             tile += NUM_SMS
     else:
         tile_c = i_sm - NUM_SMS  # the epilogue's own counter: the next tile's loads can be hoisted over it
         for tile in tl.range(i_sm, num_tiles, NUM_SMS, flatten=FLATTEN):
-            i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M, NT_PASS, INTERLEAVE)
+            i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
             b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
             tile_c += NUM_SMS
-            i_m, i_n = _tile_coords(tile_c, num_m, NT_N, GROUP_M, NT_PASS, INTERLEAVE)
+            i_m, i_n = _tile_coords(tile_c, num_m, NT_N, GROUP_M)
             if EPILOGUE:
                 _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
                           yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
-                          NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE, PACK_SCALES)
+                          NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
             elif T < 0:  # benchmark knob EPILOGUE=False: the GEMM alone (never stores, but keeps the dots alive)
                 tl.store(y_ptr + tl.arange(0, HB), (b_lo + b_hi).reshape(BLOCK_M, HB).max(axis=0).to(
                     y_ptr.dtype.element_ty))
@@ -511,8 +464,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         w_prepared: `prepare_fused_weight(W, cfg)`.
         cos_h, sin_h: [T, R/2] fp32 contiguous pair tables.
         overrides: launch knobs for benchmarks and tests (BLOCK_M, BLOCK_K, GROUP_M, num_warps, num_stages,
-            TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE, TMA_STORE, PACK_SCALES, INTERLEAVE, maxnreg, NUM_SMS,
-            HB); every
+            TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE, TMA_STORE, maxnreg, NUM_SMS, HB); every
             combination gives the same bytes (EPILOGUE=False skips the epilogue and leaves the outputs unwritten:
             GEMM-only timing). HB (half-tile width, default `HALF_N`) must be the hb w_prepared was built with.
     Returns:
@@ -549,21 +501,16 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     # emulated rounding (2.34 ms) with identical bytes. GEMM alone (EPILOGUE=False): 1.64 ms.
     # 2026-11-30 (scripts/gemm_probe.py --variants tma): storing the outputs through tensor descriptors (TMA_STORE)
     # 1.93 vs 2.07 ms (MXFP8 rowwise), 1.86 vs 1.94 ms (bf16, unflattened loop), 2.68 vs 2.70 ms (row + col).
-    nt_pass, nt_rope, _ = fused_layout(cfg, hb)
     knobs = dict(TWO_DOTS=False, ROPE_BCAST=hb % RH == 0 and (RH & (RH - 1)) == 0,
                  EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg, hb) and T >= TMA_STORE_MIN_T,
-                 PACK_SCALES=False, INTERLEAVE=False)
+                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg, hb) and T >= TMA_STORE_MIN_T)
     conf.update(knobs)
     conf.update(overrides)
     if conf["TMA_STORE"] and cfg.output_format == "bf16" and "FLATTEN" not in overrides:
         conf["FLATTEN"] = False  # Triton 3.6's loop flattening rejects the bf16 descriptor stores
     if not conf["EPILOGUE"]:  # Triton 3.6's loop-fusion pass rejects the flattened loop without the epilogue
         conf["FLATTEN"] = False
-    if conf["PACK_SCALES"] and not pack_scales_supported(cfg, hb):
-        raise ValueError(f"PACK_SCALES does not cover this geometry: {cfg}")
-    if conf["INTERLEAVE"] and nt_pass != 2 * nt_rope:
-        raise ValueError(f"INTERLEAVE needs twice as many pass-through tiles as rope tiles ({nt_pass}, {nt_rope})")
+    nt_pass, nt_rope, _ = fused_layout(cfg, hb)
     BLOCK_M, BLOCK_K = conf["BLOCK_M"], conf["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K])
     w_desc = TensorDescriptor.from_tensor(w_prepared, [hb if conf["TWO_DOTS"] else 2 * hb, BLOCK_K])
