@@ -15,16 +15,18 @@ from .._constants import MX_BLOCK
 from ._common import amax_nan_ignoring, dequantize_e4m3, e8m0_from_amax, quantize_e4m3, to_bf16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["store_col"])  # one compiled kernel for 0 and 1 (Triton specializes ints == 1)
 def _rmsnorm_quant_fwd_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, a_ptr, col_data_ptr, col_scale_ptr,
-    T, eps, K: tl.constexpr,
+    T, eps, store_col, K: tl.constexpr,
     ZERO_CENTERED: tl.constexpr, PRECISION: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK_K: tl.constexpr, EMULATED: tl.constexpr, RSIGMA_GIVEN: tl.constexpr, COLWISE: tl.constexpr,
 ):
     """Program (32 tokens, column chunk): rsigma = 1/sqrt(mean(x^2) + eps) over the whole row (every chunk's
     program computes it the same way; chunk 0 stores it), then for the chunk's columns xn = x * rsigma * g (fp32)
-    -> A = dequant(quant_row(xn)) as bf16 and (COLWISE: saved for backward) the columnwise MXFP8 of xn."""
+    -> A = dequant(quant_row(xn)) as bf16 and (COLWISE: saved for backward) the columnwise MXFP8 of xn, stored
+    when store_col != 0 (a runtime flag: the one-kernel form computes it either way, so that its rsigma reduction is
+    compiled, and rounded, the same with and without it)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     o_t = i_t * 32 + tl.arange(0, 32)
@@ -62,8 +64,8 @@ def _rmsnorm_quant_fwd_kernel(
             if COLWISE:
                 b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
                 b_cq = quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED, True)
-                tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m)
-                tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k)
+                tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m & (store_col != 0))
+                tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k & (store_col != 0))
         else:
             tl.static_assert(PRECISION == "bf16")
             tl.store(p_a, to_bf16(b_xn, EMULATED), mask=m)
@@ -120,8 +122,11 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                                                   K=K, ROWS=rows, BLOCK_K=rs_block_k, num_warps=rs_warps)
     _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32), triton.cdiv(K, conf["CHUNK_K"]))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
-        col_data_ptr=cd, col_scale_ptr=cs, T=T, K=K, eps=eps,
+        col_data_ptr=cd if mx or split else cd.new_empty(1), col_scale_ptr=cs if mx or split else cs.new_empty(1),
+        T=T, K=K, eps=eps, store_col=int(mx),
         ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, RSIGMA_GIVEN=split,
-        COLWISE=mx, **conf,
+        # the rsigma kernel's bits do not depend on the quantize kernel: its columnwise part can be compiled out;
+        # the one-kernel form reduces rsigma itself, in an order its compiled layout decides: always compiled in
+        COLWISE=mx or (not split and precision == "mxfp8"), **conf,
     )
     return rsigma, a, cd, cs
