@@ -30,12 +30,14 @@ def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton
     if cfg.output_format == "bf16":
         return outs[0].view(qshape), x2d, rsigma, xn_saved
     rd, rs, cd, cs = outs
-    q = MXFP8Tensor(
-        shape=qshape, dtype=x.dtype, scale_mode=cfg.scale_mode,
-        rowwise_data=rd.view(qshape), rowwise_scale=rs.view(lead + (H, D // 32)),
-        columnwise_data=None if cd is None else cd.view(qshape),
-        columnwise_scale=None if cs is None else cs.view(-1, H, D),
-    )
+    if len(lead) != 1:  # the kernels' outputs are [T, H, ...]
+        rd, rs = rd.view(qshape), rs.view(lead + (H, D // 32))
+        cd = None if cd is None else cd.view(qshape)
+    if torch.compiler.is_compiling():  # dynamo traces the subclass through its constructor
+        q = MXFP8Tensor(shape=qshape, dtype=x.dtype, scale_mode=cfg.scale_mode, rowwise_data=rd, rowwise_scale=rs,
+                        columnwise_data=cd, columnwise_scale=cs)
+    else:
+        q = MXFP8Tensor._from_kernel_outputs(torch.Size(qshape), x.dtype, cfg.scale_mode, rd, rs, cd, cs)
     return q, x2d, rsigma, xn_saved
 
 

@@ -206,8 +206,10 @@ class FusedMLAQUpProjection(nn.Module):
             c, s = half_table(cos, self.cfg.rope_dim), half_table(sin, self.cfg.rope_dim)
         # [T, R/2] views where the layout allows (a full-width HF table, a broadcast row): no copies on the host
         # path; the kernels take a row stride (shared by cos and sin) and a unit inner stride
-        c = c.expand(lead + (half,)).reshape(T, half)
-        s = s.expand(lead + (half,)).reshape(T, half)
+        if c.shape[:-1] != lead or c.dim() != 2:  # (a [T, R/2] table needs no view)
+            c = c.expand(lead + (half,)).reshape(T, half)
+        if s.shape[:-1] != lead or s.dim() != 2:
+            s = s.expand(lead + (half,)).reshape(T, half)
         if c.dtype != s.dtype or c.stride() != s.stride() or c.stride(-1) != 1:
             c, s = c.float().contiguous(), s.float().contiguous()
         return c, s

@@ -18,14 +18,16 @@ from .kernels.rope_quant import rope_quant
 Tensor = torch.Tensor
 
 
-def _eager_fast(op, impl):
-    """Call the registered op while torch.compile traces, the launcher directly in eager mode: the custom-op
-    dispatch costs tens of microseconds per call, which shows at small T."""
+def _eager_fast(op, impl, eager=None):
+    """Call the registered op while torch.compile traces, the launcher directly in eager mode (`eager` if given,
+    else the op's implementation): the custom-op dispatch costs tens of microseconds per call, which shows at
+    small T."""
+    eager = impl if eager is None else eager
 
     def call(*args):
         if torch.compiler.is_compiling():
             return op(*args)
-        return impl(*args)
+        return eager(*args)
 
     call.op = op
     return call
@@ -156,8 +158,21 @@ def _qproj_gemm_fwd_impl(a: Tensor, w_prepared: Tensor, cos_h: Tensor, sin_h: Te
     return rd, rs, cd if cd is not None else empty.clone(), cs if cs is not None else empty.clone()
 
 
+def _qproj_gemm_fwd_eager(a: Tensor, w_prepared: Tensor, cos_h: Tensor, sin_h: Tensor, num_heads: int,
+                          qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str, output_format: str,
+                          columnwise: bool, scale_mode: str) -> tuple:
+    """Eager path for the layer (its arguments are built and checked by the module): the kernel's outputs as
+    (q data or bf16 q, row scale, col data, col scale) with None for the absent ones, no argument re-checks."""
+    from .kernels.qproj_gemm import qproj_gemm_fwd
+
+    cfg = _gemm_cfg(a.shape[1], num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
+                    scale_mode)
+    outs = qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, cfg, check=False)
+    return (outs[0], None, None, None) if output_format == "bf16" else outs
+
+
 _qproj_gemm_fwd_def = torch.library.custom_op("mla_qproj::qproj_gemm_fwd", _qproj_gemm_fwd_impl, mutates_args=())
-qproj_gemm_fwd_op = _eager_fast(_qproj_gemm_fwd_def, _qproj_gemm_fwd_impl)
+qproj_gemm_fwd_op = _eager_fast(_qproj_gemm_fwd_def, _qproj_gemm_fwd_impl, _qproj_gemm_fwd_eager)
 
 
 @_qproj_gemm_fwd_def.register_fake

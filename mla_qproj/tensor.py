@@ -85,6 +85,17 @@ class MXFP8Tensor(torch.Tensor):
         self.scale_mode = scale_mode
         return self
 
+    @classmethod
+    def _from_kernel_outputs(cls, shape: torch.Size, dtype: torch.dtype, scale_mode: str, rowwise_data, rowwise_scale,
+                             columnwise_data, columnwise_scale) -> MXFP8Tensor:
+        """The layer's own outputs, whose shapes and dtypes the launchers fix: the same object as the constructor
+        builds, without re-validating the fields (the checks cost microseconds per call on the small-T path)."""
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=rowwise_data.device)
+        self.rowwise_data, self.rowwise_scale = rowwise_data, rowwise_scale
+        self.columnwise_data, self.columnwise_scale = columnwise_data, columnwise_scale
+        self.scale_mode = scale_mode
+        return self
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dense tensor ``fp8 * 2^(byte - 127)``, computed in fp32 and cast once to `dtype` (default: self.dtype).
 

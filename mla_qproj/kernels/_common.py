@@ -237,3 +237,13 @@ def check_pair_tables(cos_h: torch.Tensor, sin_h: torch.Tensor) -> None:
     if cos_h.dtype != sin_h.dtype or cos_h.shape != sin_h.shape or cos_h.stride() != sin_h.stride():
         raise ValueError(f"cos_h and sin_h must share dtype, shape and strides: {cos_h.dtype} {tuple(cos_h.shape)} "
                          f"{cos_h.stride()} vs {sin_h.dtype} {tuple(sin_h.shape)} {sin_h.stride()}")
+
+
+# host-side integer helpers: Triton 3.6's triton.cdiv / next_power_of_2 are constexpr functions whose Python call
+# costs several microseconds each on the host (argument unwrapping), which adds up on the small-T launch path
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

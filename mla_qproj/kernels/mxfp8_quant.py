@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from .._constants import MX_BLOCK
-from ._common import e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3
+from ._common import cdiv, e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def mxfp8_quant_2d(x2d: torch.Tensor, rowwise: bool, columnwise: bool, scale_mod
     T, N = x2d.shape
     dev = x2d.device
     f8 = torch.float8_e4m3fn
-    nbt = triton.cdiv(T, MX_BLOCK)
+    nbt = cdiv(T, MX_BLOCK)
     rd = torch.empty((T, N) if rowwise else (0,), dtype=f8, device=dev)
     rs = torch.empty((T, N // MX_BLOCK) if rowwise else (0,), dtype=torch.uint8, device=dev)
     cd = torch.empty((T, N) if columnwise else (0,), dtype=f8, device=dev)
@@ -59,7 +59,7 @@ def mxfp8_quant_2d(x2d: torch.Tensor, rowwise: bool, columnwise: bool, scale_mod
     BLOCK_N = 128 if N >= 128 else 64 if N >= 64 else 32
 
     def grid(meta):
-        return (nbt, triton.cdiv(N, meta["BLOCK_N"]))
+        return (nbt, cdiv(N, meta["BLOCK_N"]))
 
     _mxfp8_quant_kernel[grid](
         x_ptr=x2d, stride_xt=x2d.stride(0), stride_xn=x2d.stride(1),
@@ -95,6 +95,6 @@ def dequantize_columnwise_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch
     out = torch.empty((T, N), dtype=torch.bfloat16, device=data.device)
     if T and N:
         BLOCK_N = 128 if N >= 128 else 64 if N >= 64 else 32
-        _dequant_colwise_kernel[(triton.cdiv(T, MX_BLOCK), triton.cdiv(N, BLOCK_N))](
+        _dequant_colwise_kernel[(cdiv(T, MX_BLOCK), cdiv(N, BLOCK_N))](
             data_ptr=data, scale_ptr=scale, out_ptr=out, T=T, N=N, BLOCK_N=BLOCK_N, num_warps=4)
     return out

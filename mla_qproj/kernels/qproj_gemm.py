@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._config import QProjConfig, interpreter_enabled
-from ._common import amax_nan_ignoring, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16
+from ._common import amax_nan_ignoring, cdiv, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16
 
 BLOCK_N = 256  # default rows of W' per tile (two halves of HALF_N); W' is laid out per tile: `prepare_fused_weight(hb)`
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
@@ -90,8 +90,8 @@ def tma_store_supported(cfg: QProjConfig, hb: int = HALF_N) -> bool:
 def fused_layout(cfg: QProjConfig, hb: int = HALF_N) -> tuple[int, int, int]:
     """(pass-through tiles, rope tiles, rows of W') of the kernel's column order with tiles of 2·hb rows."""
     H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
-    nt_pass = triton.cdiv(H * (D - R), 2 * hb)
-    nt_rope = triton.cdiv(H * (R // 2), hb)
+    nt_pass = cdiv(H * (D - R), 2 * hb)
+    nt_rope = cdiv(H * (R // 2), hb)
     return nt_pass, nt_rope, (nt_pass + nt_rope) * 2 * hb
 
 
@@ -456,13 +456,15 @@ def _check_inputs(a, w_prepared, cos_h, sin_h, cfg, hb):
 
 
 def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor,
-                   cfg: QProjConfig, **overrides) -> tuple:
+                   cfg: QProjConfig, *, check: bool = True, **overrides) -> tuple:
     """q = RoPE(a · Wᵀ) viewed [T, H, D], then quantized exactly as `reference.qproj.quantize_output`.
 
     Args:
         a: [T, K] bf16, contiguous (exact image of the quantized input).
         w_prepared: `prepare_fused_weight(W, cfg)`.
         cos_h, sin_h: [T, R/2] fp32 contiguous pair tables.
+        check: validate the arguments (False: for a caller that built them itself, as the layer does; skips a few
+            tens of microseconds of host work per call).
         overrides: launch knobs for benchmarks and tests (BLOCK_M, BLOCK_K, GROUP_M, num_warps, num_stages,
             TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE, TMA_STORE, maxnreg, NUM_SMS, HB); every
             combination gives the same bytes (EPILOGUE=False skips the epilogue and leaves the outputs unwritten:
@@ -472,7 +474,8 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         uint8 [ceil(T/32), H, D] or None); bf16: (y bf16 [T, H, D],).
     """
     hb = overrides.pop("HB", HALF_N)
-    _check_inputs(a, w_prepared, cos_h, sin_h, cfg, hb)
+    if check:
+        _check_inputs(a, w_prepared, cos_h, sin_h, cfg, hb)
     T, K = a.shape
     H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
     dev = a.device
@@ -486,7 +489,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         cd = cs = None
         if cfg.columnwise_output:
             cd = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=dev)
-            cs = torch.empty(triton.cdiv(T, _MX), H, D, dtype=torch.uint8, device=dev)
+            cs = torch.empty(cdiv(T, _MX), H, D, dtype=torch.uint8, device=dev)
         outs = (y, rs, cd, cs)
     if T == 0:
         return outs
@@ -514,7 +517,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     BLOCK_M, BLOCK_K = conf["BLOCK_M"], conf["BLOCK_K"]
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K])
     w_desc = TensorDescriptor.from_tensor(w_prepared, [hb if conf["TWO_DOTS"] else 2 * hb, BLOCK_K])
-    num_tiles = triton.cdiv(T, BLOCK_M) * (nt_pass + nt_rope)
+    num_tiles = cdiv(T, BLOCK_M) * (nt_pass + nt_rope)
     num_sms = conf.pop("NUM_SMS")
 
     def grid(meta):

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import cdiv, next_power_of_2
+
 
 @triton.jit
 def _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, m_k):
@@ -140,12 +142,12 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     conf = dict(ROWS=1, num_warps=8 if K > 2048 else 4, PROGS_PER_SM=4, PREFETCH=True, TWO_CHUNKS=True)
     sum_knobs = {k[4:]: knobs.pop(k) for k in list(knobs) if k.startswith("SUM_")}  # SUM_BLOCK_P, SUM_BLOCK_K, ...
     conf.update(knobs)
-    rows = triton.next_power_of_2(triton.cdiv(T, conf.pop("PROGS_PER_SM") * 132))
-    n_prog = triton.cdiv(T, rows)
-    block_k, block_k2 = triton.next_power_of_2(K), 0
+    rows = next_power_of_2(cdiv(T, conf.pop("PROGS_PER_SM") * 132))
+    n_prog = cdiv(T, rows)
+    block_k, block_k2 = next_power_of_2(K), 0
     if conf.pop("TWO_CHUNKS") and block_k != K:  # K = 2^a + (at most 2^b, b < a): two chunks, fewer masked lanes
         block_k = block_k // 2
-        block_k2 = triton.next_power_of_2(K - block_k)
+        block_k2 = next_power_of_2(K - block_k)
     conf["ROWS"] = min(conf["ROWS"], rows)  # a program's step never reaches into the next program's rows
     part = torch.empty((n_prog, K), dtype=torch.float32, device=dev)
     _rmsnorm_bwd_kernel[(n_prog,)](
@@ -162,6 +164,6 @@ def sum_partials(part: torch.Tensor, out: torch.Tensor, BLOCK_P: int = 256, BLOC
     """out = part.sum(0) in a fixed order (fp32), cast to out's dtype: the partials of `rmsnorm_bwd`.
     [BLOCK_P partials, BLOCK_K columns] per step, steps unrolled, K / BLOCK_K programs."""
     n_part, K = part.shape
-    max_p = triton.next_power_of_2(n_part)
-    _sum_partials_kernel[(triton.cdiv(K, BLOCK_K),)](part, out, n_part, K=K, MAX_P=max_p, BLOCK_P=min(BLOCK_P, max_p),
+    max_p = next_power_of_2(n_part)
+    _sum_partials_kernel[(cdiv(K, BLOCK_K),)](part, out, n_part, K=K, MAX_P=max_p, BLOCK_P=min(BLOCK_P, max_p),
                                                      BLOCK_K=BLOCK_K, num_warps=num_warps)

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
-from ._common import amax_nan_ignoring, dequantize_e4m3, e8m0_from_amax, quantize_e4m3, to_bf16
+from ._common import amax_nan_ignoring, cdiv, dequantize_e4m3, e8m0_from_amax, quantize_e4m3, to_bf16
 
 
 @triton.jit(do_not_specialize=["store_col"])  # one compiled kernel for 0 and 1 (Triton specializes ints == 1)
@@ -112,15 +112,15 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     rsigma = torch.empty(T, dtype=torch.float32, device=dev)
     a = torch.empty((T, K), dtype=torch.bfloat16, device=dev)
     cd = torch.empty((T, K) if mx else (0,), dtype=torch.float8_e4m3fn, device=dev)
-    cs = torch.empty((triton.cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8, device=dev)
+    cs = torch.empty((cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8, device=dev)
     if T == 0:
         return rsigma, a, cd, cs
     conf = _launch_conf(T, K, x2d.device, **knobs)
     split, rows, rs_block_k, rs_warps = (conf.pop(k) for k in ("SPLIT", "ROWS", "RS_BLOCK_K", "RS_WARPS"))
     if split:
-        _rsigma_kernel[(triton.cdiv(T, rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
+        _rsigma_kernel[(cdiv(T, rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
                                                   K=K, ROWS=rows, BLOCK_K=rs_block_k, num_warps=rs_warps)
-    _rmsnorm_quant_fwd_kernel[(triton.cdiv(T, 32), triton.cdiv(K, conf["CHUNK_K"]))](
+    _rmsnorm_quant_fwd_kernel[(cdiv(T, 32), cdiv(K, conf["CHUNK_K"]))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd if mx or split else cd.new_empty(1), col_scale_ptr=cs if mx or split else cs.new_empty(1),
         T=T, K=K, eps=eps, store_col=int(mx),

@@ -24,6 +24,7 @@ from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
 from ._common import (
     amax_nan_ignoring,
+    cdiv,
     check_pair_tables,
     dequantize_e4m3,
     e8m0_from_amax,
@@ -273,14 +274,14 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
         out = e((T, N), dtype=torch.float32 if mode == "fp32" else torch.bfloat16, device=dev)
         rs = e((0,), dtype=torch.uint8, device=dev)
     cd = e((T, N) if columnwise else (0,), dtype=torch.float8_e4m3fn if mx else torch.bfloat16, device=dev)
-    cs = e((triton.cdiv(T, MX_BLOCK), N) if (columnwise and mx) else (0,), dtype=torch.uint8, device=dev)
+    cs = e((cdiv(T, MX_BLOCK), N) if (columnwise and mx) else (0,), dtype=torch.uint8, device=dev)
     if fast is None:
         fast = fast_path_supported(qk_head_dim, rope_dim, head_dim)
     if T > 0 and fast:
         conf = _fast_launch(qk_head_dim, dev, **knobs)
         if num_heads % conf["HEADS"]:
             raise ValueError(f"HEADS ({conf['HEADS']}) must divide num_heads ({num_heads})")
-        grid = (triton.cdiv(T, 32), num_heads // conf["HEADS"])
+        grid = (cdiv(T, 32), num_heads // conf["HEADS"])
         if grid[0] > 65535:  # a CUDA grid's y extent: keep the token blocks on x
             conf["HEAD_MAJOR"] = False
         _rope_quant_fast_kernel[grid[::-1] if conf["HEAD_MAJOR"] else grid](
@@ -290,7 +291,7 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
             MODE=mode, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, enable_fp_fusion=False, **conf,
         )
     elif T > 0:
-        _rope_quant_kernel[(triton.cdiv(T, 32), num_heads)](
+        _rope_quant_kernel[(cdiv(T, 32), num_heads)](
             y_ptr=y2d, stride_y=y2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
             out_ptr=out, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs, T=T,
             H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style, INVERSE=inverse,
