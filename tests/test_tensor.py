@@ -317,3 +317,21 @@ def test_constructor_validation():
     cd, cs = quantize_columnwise(x)
     with pytest.raises(ValueError, match="columnwise_scale shape"):
         MXFP8Tensor(shape=x.shape, dtype=x.dtype, columnwise_data=cd, columnwise_scale=cs.reshape(1, 2, 32)[:, :1])
+
+
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_unchecked_constructor_builds_the_same_tensor(columnwise):
+    """The layer builds its query with `MXFP8Tensor._from_kernel_outputs` (no field re-validation on the hot path):
+    the same metadata, fields and dequantized values as the checked constructor, and fields the checks accept."""
+    x = _randn((37, 3, 64), 5)
+    ref = _make(x, rowwise=True, columnwise=columnwise, col_dims=2)
+    q = MXFP8Tensor._from_kernel_outputs(ref.shape, ref.dtype, ref.scale_mode, ref.rowwise_data, ref.rowwise_scale,
+                                         ref.columnwise_data, ref.columnwise_scale)
+    assert type(q) is MXFP8Tensor and q.shape == ref.shape and q.dtype == ref.dtype and not q.requires_grad
+    assert q.scale_mode == ref.scale_mode and q.device == ref.device
+    for f in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
+        assert getattr(q, f) is getattr(ref, f), f
+    _exact(q.dequantize(), ref.dequantize(), "dequantize")
+    MXFP8Tensor(shape=q.shape, dtype=q.dtype, scale_mode=q.scale_mode, rowwise_data=q.rowwise_data,
+                rowwise_scale=q.rowwise_scale, columnwise_data=q.columnwise_data,
+                columnwise_scale=q.columnwise_scale)  # the checks accept what it holds
