@@ -166,4 +166,4 @@ def sum_partials(part: torch.Tensor, out: torch.Tensor, BLOCK_P: int = 256, BLOC
     n_part, K = part.shape
     max_p = next_power_of_2(n_part)
     _sum_partials_kernel[(cdiv(K, BLOCK_K),)](part, out, n_part, K=K, MAX_P=max_p, BLOCK_P=min(BLOCK_P, max_p),
-                                                     BLOCK_K=BLOCK_K, num_warps=num_warps)
+                                              BLOCK_K=BLOCK_K, num_warps=num_warps)

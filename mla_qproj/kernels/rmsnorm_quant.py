@@ -118,8 +118,8 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     conf = _launch_conf(T, K, x2d.device, **knobs)
     split, rows, rs_block_k, rs_warps = (conf.pop(k) for k in ("SPLIT", "ROWS", "RS_BLOCK_K", "RS_WARPS"))
     if split:
-        _rsigma_kernel[(cdiv(T, rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
-                                                  K=K, ROWS=rows, BLOCK_K=rs_block_k, num_warps=rs_warps)
+        _rsigma_kernel[(cdiv(T, rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
+                                         ROWS=rows, BLOCK_K=rs_block_k, num_warps=rs_warps)
     _rmsnorm_quant_fwd_kernel[(cdiv(T, 32), cdiv(K, conf["CHUNK_K"]))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd if mx or split else cd.new_empty(1), col_scale_ptr=cs if mx or split else cs.new_empty(1),
