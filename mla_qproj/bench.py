@@ -79,12 +79,11 @@ def gpu_state() -> str:
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu",
-                              "--format=csv,noheader", "-i", str(torch.cuda.current_device())],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu",
+                               "--format=csv,noheader", "-i", str(torch.cuda.current_device())],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
-    return out
 
 
 def _rmsnorm_fp32(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -265,7 +264,8 @@ def bench_T(rows: list[Row], c: dict, warmup: int, rep: int, rounds: int) -> lis
     each round's do_bench median, ms_rounds keeps them all. Errors are recorded, never raised."""
     T = c["x"].shape[0]
     built = [(row, *build_row(row, c)) for row in rows]
-    res = {row.name: {"T": T, "name": row.name, "kind": row.kind, "ref": row.ref, "ms_rounds": []} for row in rows}
+    res = {row.name: {"T": T, "name": row.name, "kind": row.kind, "ref": row.ref, "ms_rounds": [],
+                      "p20_ms_rounds": [], "p80_ms_rounds": []} for row in rows}
     for rnd in range(rounds):
         for row, fn, grads, err in built:
             r = res[row.name]
@@ -275,8 +275,8 @@ def bench_T(rows: list[Row], c: dict, warmup: int, rep: int, rounds: int) -> lis
             try:
                 ms, p20, p80 = time_row(row, fn, grads, warmup, rep)
                 r["ms_rounds"].append(ms)
-                r.setdefault("p20_ms_rounds", []).append(p20)
-                r.setdefault("p80_ms_rounds", []).append(p80)
+                r["p20_ms_rounds"].append(p20)
+                r["p80_ms_rounds"].append(p80)
                 print(f"  T={T:<6} round {rnd} {row.name:<30} {ms:.3f} ms", flush=True)
             except Exception as e:
                 r["error"] = _err(e)
@@ -289,9 +289,9 @@ def bench_T(rows: list[Row], c: dict, warmup: int, rep: int, rounds: int) -> lis
                 if row.kind == "fwdbwd":
                     with torch.enable_grad():
                         r["peak_mib"], r["peak_extra_mib"] = measure_peak(fn, grads)
-                v = sorted(r["ms_rounds"])
+                v = r["ms_rounds"]
                 r["ms"] = _median(v)
-                r["spread"] = (v[-1] - v[0]) / r["ms"]
+                r["spread"] = (max(v) - min(v)) / r["ms"]
                 gemms = 1 if row.kind == "fwd" else 3
                 r["tflops"] = gemms * 2 * T * K * N / (r["ms"] * 1e-3) / 1e12
             except Exception as e:

@@ -10,6 +10,7 @@ import torch
 
 from ._config import QProjConfig
 from ._constants import MX_BLOCK
+from .kernels._common import cdiv
 from .kernels.mxfp8_quant import dequantize_columnwise_bf16, mxfp8_quant_2d
 from .kernels.rmsnorm_bwd import rmsnorm_bwd
 from .kernels.rmsnorm_quant import rmsnorm_quant_fwd
@@ -34,10 +35,6 @@ def _eager_fast(op, impl, eager=None):
 _F8 = torch.float8_e4m3fn
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _mxfp8_quantize_2d_impl(x2d: Tensor, rowwise: bool, columnwise: bool, scale_mode: str) -> tuple[
         Tensor, Tensor, Tensor, Tensor]:
     return mxfp8_quant_2d(x2d, rowwise, columnwise, scale_mode)
@@ -54,7 +51,7 @@ def _(x2d, rowwise, columnwise, scale_mode):
     e = x2d.new_empty
     return (e((T, N) if rowwise else (0,), dtype=_F8), e((T, N // MX_BLOCK) if rowwise else (0,), dtype=torch.uint8),
             e((T, N) if columnwise else (0,), dtype=_F8),
-            e((_cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=torch.uint8))
+            e((cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=torch.uint8))
 
 
 def _dequantize_columnwise_bf16_impl(data: Tensor, scale: Tensor) -> Tensor:
@@ -87,7 +84,7 @@ def _(x2d, norm_weight, eps, zero_centered_gamma, precision, scale_mode, columnw
     mx = precision == "mxfp8" and columnwise
     e = x2d.new_empty
     return (e((T,), dtype=torch.float32), e((T, K), dtype=torch.bfloat16), e((T, K) if mx else (0,), dtype=_F8),
-            e((_cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8))
+            e((cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8))
 
 
 def _rope_quant_impl(y2d: Tensor, cos_h: Tensor, sin_h: Tensor, num_heads: int, head_dim: int, qk_head_dim: int,
@@ -116,7 +113,7 @@ def _(y2d, cos_h, sin_h, num_heads, head_dim, qk_head_dim, rope_dim, rope_style,
     u8 = torch.uint8
     if mode == "mxfp8":
         return (e((T, N), dtype=_F8), e((T, N // MX_BLOCK), dtype=u8), e((T, N) if columnwise else (0,), dtype=_F8),
-                e((_cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=u8))
+                e((cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=u8))
     out_dtype = torch.float32 if mode == "fp32" else torch.bfloat16
     col = e((T, N) if (mode == "mxfp8_images" and columnwise) else (0,), dtype=torch.bfloat16)
     return e((T, N), dtype=out_dtype), e((0,), dtype=u8), col, e((0,), dtype=u8)
@@ -186,4 +183,4 @@ def _(a, w_prepared, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, r
         return e((T, H, D), dtype=torch.bfloat16), e((0,), dtype=u8), e((0,), dtype=u8), e((0,), dtype=u8)
     return (e((T, H, D), dtype=_F8), e((T, H, D // MX_BLOCK), dtype=u8),
             e((T, H, D) if columnwise else (0,), dtype=_F8),
-            e((_cdiv(T, MX_BLOCK), H, D) if columnwise else (0,), dtype=u8))
+            e((cdiv(T, MX_BLOCK), H, D) if columnwise else (0,), dtype=u8))

@@ -101,6 +101,17 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _program_tiles(M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """(tile rows, tile columns, k-steps, tiles of this program) of the persistent grid (tile pid, pid + nprog, ...)."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    n_my = (num_pid_m * num_pid_n - pid + nprog - 1) // nprog
+    return num_pid_m, num_pid_n, gl.cdiv(K, BK), n_my
+
+
+@gluon.jit
 def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     """1-warp TMA producer: every tile of this program in the persistent order, k-steps in order, one ring."""
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -108,10 +119,7 @@ def _loader(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, STAGES: gl.co
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
-    k_tiles = gl.cdiv(K, BK)
-    n_my = (num_pid_m * num_pid_n - pid + nprog - 1) // nprog
+    num_pid_m, num_pid_n, k_tiles, n_my = _program_tiles(M, N, K, BM, BN, BK)
     c = 0
     for i in range(n_my):
         pid_m, pid_n = _tile_coords(pid + i * nprog, num_pid_m, num_pid_n, GROUP_M)
@@ -179,10 +187,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, turn, epi_bufs, y_desc, q_desc, s_pt
     acc_layout: gl.constexpr = _acc_layout(BM, BN, WARPS)
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
-    num_pid_m = gl.cdiv(M, BM)
-    num_pid_n = gl.cdiv(N, BN)
-    k_tiles = gl.cdiv(K, BK)
-    n_my = (num_pid_m * num_pid_n - pid + nprog - 1) // nprog
+    num_pid_m, num_pid_n, k_tiles, n_my = _program_tiles(M, N, K, BM, BN, BK)
     n_local = (n_my - CID + NUM_CONSUMERS - 1) // NUM_CONSUMERS
     epi_buf = epi_bufs.index(CID)
     for j in range(n_local):

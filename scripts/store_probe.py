@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 from triton.testing import do_bench
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from profile_layer import host_and_wall_ms  # noqa: E402
+
 from mla_qproj._config import QProjConfig  # noqa: E402
 from mla_qproj.bench_kernels import graph_ms  # noqa: E402
 from mla_qproj.kernels import qproj_gemm as qg  # noqa: E402
@@ -23,16 +25,9 @@ from mla_qproj.kernels import qproj_gemm as qg  # noqa: E402
 K, H, P, R, D = 1536, 128, 128, 64, 192
 
 
-def host_ms(fn, n: int = 200) -> float:
-    """Python time per call of n back-to-back calls (no synchronization inside: the GPU queue absorbs them)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e3
+def host_ms(fn) -> float:
+    """Python time per call of back-to-back calls (no synchronization inside: the GPU queue absorbs them)."""
+    return host_and_wall_ms(fn, n=200, warmup=1)[0]
 
 
 def main() -> None:
