@@ -16,7 +16,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mla_qproj.bench_kernels import graph_ms  # noqa: E402
 from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16  # noqa: E402
-from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd, sum_partials  # noqa: E402
+from mla_qproj.kernels.rmsnorm_bwd import program_rows, rmsnorm_bwd, sum_partials  # noqa: E402
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd  # noqa: E402
 from mla_qproj.kernels.rope_quant import rope_quant  # noqa: E402
 from mla_qproj.reference.mxfp8 import (  # noqa: E402
@@ -139,7 +139,7 @@ def main() -> None:
         ms = bench(lambda: dst.copy_(src))  # noqa: B023
         rows.append((T, "device copy of the RMSNorm backward's bytes", "", ms, 2 * src.numel() * 4 / ms / 1e6))
         for pps, sk in ((4, {}), (4, s128)):  # the partial sum alone: its share of the two launches
-            part = torch.randn(triton.cdiv(T, triton.next_power_of_2(triton.cdiv(T, pps * 132))), K, device="cuda")
+            part = torch.randn(program_rows(T, pps)[1], K, device="cuda")
             dg = torch.empty(K, device="cuda", dtype=torch.bfloat16)
             ms = bench(lambda: sum_partials(part, dg, **{k[4:]: v for k, v in sk.items()}))  # noqa: B023
             rows.append((T, f"rmsnorm_bwd partial sum alone {part.shape[0]} rows {sk}", "", ms,

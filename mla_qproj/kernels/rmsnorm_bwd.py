@@ -142,8 +142,7 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     conf = dict(ROWS=1, num_warps=8 if K > 2048 else 4, PROGS_PER_SM=4, PREFETCH=True, TWO_CHUNKS=True)
     sum_knobs = {k[4:]: knobs.pop(k) for k in list(knobs) if k.startswith("SUM_")}  # SUM_BLOCK_P, SUM_BLOCK_K, ...
     conf.update(knobs)
-    rows = next_power_of_2(cdiv(T, conf.pop("PROGS_PER_SM") * 132))
-    n_prog = cdiv(T, rows)
+    rows, n_prog = program_rows(T, conf.pop("PROGS_PER_SM"))
     block_k, block_k2 = next_power_of_2(K), 0
     if conf.pop("TWO_CHUNKS") and block_k != K:  # K = 2^a + (at most 2^b, b < a): two chunks, fewer masked lanes
         block_k = block_k // 2
@@ -158,6 +157,13 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     dg = torch.empty(K, dtype=norm_weight.dtype, device=dev)
     sum_partials(part, dg, **sum_knobs)
     return dx, dg
+
+
+def program_rows(T: int, progs_per_sm: int) -> tuple[int, int]:
+    """(rows per program, programs) of `rmsnorm_bwd` at T tokens: a power of two of rows, about progs_per_sm
+    programs per SM of a 132-SM H200 — fixed for a given T, so the dnorm_weight partials are summed in one order."""
+    rows = next_power_of_2(cdiv(T, progs_per_sm * 132))
+    return rows, cdiv(T, rows)
 
 
 def sum_partials(part: torch.Tensor, out: torch.Tensor, BLOCK_P: int = 256, BLOCK_K: int = 16, num_warps: int = 8):
