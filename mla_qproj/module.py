@@ -76,12 +76,24 @@ class FusedMLAQUpProjection(nn.Module):
         inv_freq, self.attention_scaling = rope_inv_freq(self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         factory_kwargs = {"device": device, "dtype": dtype}
+        param_dtype = torch.get_default_dtype() if dtype is None else dtype
+        if param_dtype not in _ACT_DTYPES:
+            raise TypeError(f"dtype must be one of {_ACT_DTYPES} (the parameters' dtype), got {param_dtype}")
         self.weight = nn.Parameter(torch.empty(self.cfg.out_features, q_lora_rank, **factory_kwargs))
         self.norm_weight = nn.Parameter(torch.empty(q_lora_rank, **factory_kwargs))
         self._wcache: _backend.PreparedWeight | None = None
         self._weight_epoch = 0
         _LIVE_LAYERS.add(self)
         self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        # `module.to(dtype)` / `.half()` cast every floating buffer; the RoPE frequencies stay fp32 (SPEC §3), so a
+        # cast buffer is rebuilt in fp32 from the constructor's arguments (casting back would keep the rounding)
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            inv_freq, _ = rope_inv_freq(self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
+            self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default

@@ -351,3 +351,52 @@ def test_rope_quant_table_checks():
         rope_quant(y, half, half.contiguous(), **kw)
     with pytest.raises(TypeError, match="cos_h"):
         rope_quant(y, half.double(), half.double(), **kw)
+
+
+def bf16_subnormal_heavy(shape, seed: int) -> torch.Tensor:
+    """bf16 values that are mostly subnormal (exponent field 0, random mantissa and sign), a few tiny normals and
+    zeros: every MX block's scale is small enough that the subnormals decide its codes (SPEC §2 bytes)."""
+    gen = torch.Generator().manual_seed(seed)
+    mant = torch.randint(0, 0x80, shape, generator=gen, dtype=torch.int32)
+    exp = torch.where(torch.rand(shape, generator=gen) < 0.1, torch.randint(1, 4, shape, generator=gen), 0)
+    sign = torch.randint(0, 2, shape, generator=gen, dtype=torch.int32)
+    bits = (sign << 15) | (exp.to(torch.int32) << 7) | mant
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["rsigma-kernel", "one-kernel"])
+def test_rmsnorm_quant_bf16_subnormal_input(split):
+    """x in bf16 subnormals: the kernels widen bf16 exactly (under the interpreter through its bits), so rsigma and
+    every quantized byte equal the reference's."""
+    T, K = 40, 96
+    x = bf16_subnormal_heavy((T, K), 3).to(DEVICE)
+    w = torch.randn(K, device=DEVICE)
+    for scale_mode in ("rceil", "floor"):
+        rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-30, False, "mxfp8", scale_mode, SPLIT=split)
+        _, rs_ref = RQ.rmsnorm_fwd(x, w, 1e-30, False)
+        assert_rel_err(rs, rs_ref, 1e-6, "rsigma")
+        xn = x.float() * rs[:, None] * w
+        assert_bytes_equal(a, RM.dequantize_rowwise(*RM.quantize_rowwise(xn, scale_mode), dtype=torch.bfloat16),
+                           f"A image {scale_mode}")
+        rcd, rcs = RM.quantize_columnwise(xn, scale_mode)
+        assert_bytes_equal(cd, rcd, f"xn columnwise data {scale_mode}")
+        assert_bytes_equal(cs, rcs, f"xn columnwise scale {scale_mode}")
+
+
+@pytest.mark.parametrize("geom", [GEOMS[0], GEOMS[3]], ids=["general", "contiguous-tile"])
+def test_rope_quant_bf16_subnormal_gradient(geom):
+    """A bf16 gradient of subnormals: inverse RoPE + quantization give the reference's images and codes."""
+    H, nope, R, D = geom
+    T = 33
+    g = bf16_subnormal_heavy((T, H * D), 5).to(DEVICE)
+    c, s = torch.rand(T, R // 2, device=DEVICE), torch.rand(T, R // 2, device=DEVICE)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style="deepseek", scale_mode="floor")
+    ref = RR.apply_rope_inverse(g.float().view(T, H, D), c, s, nope, R, "deepseek").reshape(T, H * D)
+    (out,) = rope_quant(g, c, s, inverse=True, mode="fp32", columnwise=False, **kw)
+    assert_bytes_equal(out, ref, "inverse rope fp32")
+    rd, rs, cd, cs = rope_quant(g, c, s, inverse=True, mode="mxfp8", columnwise=True, **kw)
+    rrd, rrs = RM.quantize_rowwise(ref, "floor")
+    rcd, rcs = RM.quantize_columnwise(ref, "floor")
+    for got, want, label in ((rd, rrd, "row data"), (rs, rrs, "row scale"), (cd, rcd, "col data"),
+                             (cs, rcs, "col scale")):
+        assert_bytes_equal(got, want, label)

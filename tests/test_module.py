@@ -397,6 +397,46 @@ def test_extra_repr_and_state_dict():
     assert torch.equal(other.weight, layer.weight)
 
 
+@pytest.mark.parametrize("cast", ["to_bf16", "half", "to_fp16_then_fp32"])
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+                                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}])
+def test_module_dtype_cast_keeps_rope_tables_fp32(cast, scaling):
+    """SPEC §3: `model.to(dtype)` / `.half()` must not round the RoPE frequencies: the position_ids query of a cast
+    layer equals (bit for bit) the one of a layer built in that dtype with the same parameters."""
+    dtype = torch.float32 if cast == "to_fp16_then_fp32" else torch.float16 if cast == "half" else torch.bfloat16
+    kw = dict(precision="bf16", output_format="bf16", rope_scaling=scaling, backend="torch")
+    built = layer_(dtype=dtype, **kw)
+    cast_layer = layer_(**kw)
+    cast_layer.load_state_dict(built.state_dict())
+    if cast == "to_bf16":
+        cast_layer = cast_layer.to(torch.bfloat16)
+    elif cast == "half":
+        cast_layer = cast_layer.half()
+    else:
+        cast_layer = cast_layer.to(torch.float16).to(torch.float32)
+        cast_layer.load_state_dict(built.state_dict())
+    assert cast_layer.inv_freq.dtype == torch.float32
+    assert torch.equal(cast_layer.inv_freq, built.inv_freq)
+    T = 4096
+    x = torch.randn(T, K, device=DEV).to(dtype)
+    pos = torch.arange(T, device=DEV)
+    assert_bytes_equal(cast_layer(x, position_ids=pos), built(x, position_ids=pos), f"query after {cast}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32, torch.complex64])
+def test_unsupported_parameter_dtype_refused_at_construction(dtype):
+    with pytest.raises(TypeError, match="dtype"):
+        layer_(dtype=dtype)
+    old = torch.get_default_dtype()
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+        try:
+            with pytest.raises(TypeError, match="dtype"):
+                layer_()
+        finally:
+            torch.set_default_dtype(old)
+
+
 # ----------------------------------------------------------------------------------- 6. mxfp8_quantize
 
 

@@ -44,6 +44,8 @@ def _special_values(device) -> torch.Tensor:
     r[0] = -1e-12  # tiny negative rounds to -0
     rows.append(r)
     rows.append(torch.tensor([127.97, 1.0, -0.0] + [0.5] * 29))  # carry into the exponent
+    rows.append(base * 2.0**-125)  # floor: byte 0 with r = 2^127 (non-zero codes); rceil: byte 0, codes ±0
+    rows.append(base * 2.0**-118)  # rceil: v just above 2^-127 (byte 1)
     return torch.stack(rows).to(device)
 
 
@@ -92,6 +94,14 @@ def test_property_shapes_and_magnitudes(lead, nblk, log2mag, scale_mode, columnw
         assert q.columnwise_scale.shape == (math.ceil(math.prod(lead) / 32), nblk * 32)
 
 
+@pytest.mark.parametrize("scale_mode", MODES)
+def test_bf16_subnormal_input_bytes(scale_mode):
+    # bf16 subnormals decide the codes of blocks with a small scale; the interpreter lane widens them exactly too
+    from test_kernels import bf16_subnormal_heavy
+
+    _check(bf16_subnormal_heavy((64, 96), 7).to(DEVICE), scale_mode, True, True)
+
+
 def test_columnwise_only_allows_any_width():
     t = torch.randn(40, 50, device=DEVICE)
     _check(t, "rceil", False, True)
@@ -108,11 +118,33 @@ def test_hand_derived_examples():
     assert g[4].item() == 0.0 and math.copysign(1.0, g[4].item()) == -1.0
 
 
-def test_reference_grid_matches_torch_cast():
-    # torch's own cast rounds to nearest-even correctly: the explicit grid rounding must agree on every value
-    x = torch.randn(1 << 16) * torch.exp2(torch.randint(-20, 12, (1 << 16,)).float())
-    ours = R.round_to_e4m3_grid(x).to(torch.float8_e4m3fn)
-    assert_bytes_equal(ours, x.clamp(-448, 448).to(torch.float8_e4m3fn), "grid vs torch cast")
+def test_floor_byte_zero_decodes_with_two_pow_127():
+    # SPEC §2 floor: amax 2^-125 -> floor(log2) - 8 + 127 = -6 -> byte 0, and r = 2^127 for byte 0 too, so the block
+    # keeps its codes: 2^-125 * 2^127 = 4.0, decoding back exactly (4 * 2^-127); rceil's byte 0 gives r = 1 (zeros)
+    x = torch.full((1, 32), 2.0**-125)
+    x[0, 1] = -(2.0**-126)
+    data, scale = R.quantize_rowwise(x, "floor")
+    assert scale.tolist() == [[0]]
+    assert data.float()[0, :2].tolist() == [4.0, -2.0]
+    assert torch.equal(R.dequantize_rowwise(data, scale), x)
+    data, scale = R.quantize_rowwise(x, "rceil")  # v = 2^-125 / 448 < 2^-127: byte 0, r = 1
+    assert scale.tolist() == [[0]] and (data.float() == 0).all()
+
+
+def test_reference_encoder_matches_explicit_grid():
+    # the reference encodes with torch's cast after clamping (one pass); the kernels' emulated path rounds
+    # explicitly (round_to_e4m3_grid): both must agree on every fp32 value (random bit patterns over all exponents,
+    # scaled normals, the grid's midpoints and their neighbours, NaN and inf)
+    g = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    g = g[torch.isfinite(g)].unique()
+    mids = (g[1:] + g[:-1]) / 2
+    x = torch.cat([
+        torch.randint(-(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int64).to(torch.int32).view(torch.float32),
+        torch.randn(1 << 16) * torch.exp2(torch.randint(-20, 12, (1 << 16,)).float()),
+        mids, -mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+        torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 448.0, 464.0, 465.0]),
+    ])
+    assert_bytes_equal(R.encode_e4m3(x), R.to_e4m3(R.round_to_e4m3_grid(x), x), "encode_e4m3 vs the explicit grid")
 
 
 def test_dequantize_roundtrip_error():

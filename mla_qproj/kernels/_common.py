@@ -59,17 +59,20 @@ def e8m0_from_amax(amax, SCALE_MODE: tl.constexpr):
 
 
 @triton.jit
-def quant_multiplier(byte):
-    """r = 1 for byte 0, else 2^(127 - byte); byte >= 254 gives the subnormal 2^-127 (only inf/NaN blocks)."""
+def quant_multiplier(byte, SCALE_MODE: tl.constexpr):
+    """r = 2^(127 - byte) (SPEC §2), except rceil's byte 0 gives r = 1 (its blocks round to zero); floor's byte 0
+    gives 2^127 like every other byte. byte >= 254 gives the subnormal 2^-127 (only inf/NaN blocks)."""
     bits = tl.where(byte >= 254, 0x00400000, (254 - tl.minimum(byte, 253)) << 23)
     r = bits.to(tl.float32, bitcast=True)
-    return tl.where(byte == 0, 1.0, r)
+    if SCALE_MODE == "rceil":
+        r = tl.where(byte == 0, 1.0, r)
+    return r
 
 
 @triton.jit
 def e8m0_to_fp32(byte):
-    """2^(byte - 127) for byte in [1, 254] (exact); decode of a stored scale."""
-    return (tl.maximum(byte, 1) << 23).to(tl.float32, bitcast=True)
+    """2^(byte - 127) for byte in [0, 254] (exact; byte 0 is the subnormal 2^-127): decode of a stored scale."""
+    return tl.where(byte == 0, 0x00400000, byte << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -94,10 +97,10 @@ def round_to_e4m3_grid(x):
 
 
 @triton.jit
-def quantize_to_e4m3(x, byte):
+def quantize_to_e4m3(x, byte, SCALE_MODE: tl.constexpr):
     """Elements of one block: round(x * r) on the E4M3 grid, then the (exact) cast. NaN is written as the
     E4M3 NaN code 0x7F with its sign explicitly (the interpreter's cast of NaN gives other codes)."""
-    y = round_to_e4m3_grid(x * quant_multiplier(byte))
+    y = round_to_e4m3_grid(x * quant_multiplier(byte, SCALE_MODE))
     code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     nan_code = (0x7F | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
     return tl.where(y == y, code, nan_code).to(tl.float8e4nv, bitcast=True)
@@ -170,19 +173,39 @@ def amax_nan_ignoring(x, axis: tl.constexpr, EMULATED: tl.constexpr):
 
 
 @triton.jit
-def quantize_e4m3(x, byte, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
+def quantize_e4m3(x, byte, SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
     """`quantize_to_e4m3` with the hardware cast on the GPU; NaN keeps its sign (0x7F | sign) on both paths
     (the GPU's multiply and cast canonicalize NaN to +NaN). NAN_SIGN=False (GPU only, for codes that only feed a
     bf16 image, where NaN-ness is all that counts) skips that fix: ~4 instructions per element."""
     if EMULATED:
-        q = quantize_to_e4m3(x, byte)
+        q = quantize_to_e4m3(x, byte, SCALE_MODE)
     elif NAN_SIGN:
-        code = (x * quant_multiplier(byte)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        code = (x * quant_multiplier(byte, SCALE_MODE)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         nan_code = (0x7F | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
         q = tl.where(x == x, code, nan_code).to(tl.float8e4nv, bitcast=True)
     else:
-        q = (x * quant_multiplier(byte)).to(tl.float8e4nv)
+        q = (x * quant_multiplier(byte, SCALE_MODE)).to(tl.float8e4nv)
     return q
+
+
+@triton.jit
+def mx_quantize(b_x, AXIS: tl.constexpr, SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
+    """MXFP8 of a tile whose AXIS spans exactly one block (32 elements; a partial block's missing elements are
+    NaN, which the amax ignores): (E4M3 codes shaped like b_x, E8M0 bytes with AXIS reduced). The one tile
+    quantizer of every MXFP8 kernel (SPEC §2)."""
+    b_byte = e8m0_from_amax(amax_nan_ignoring(b_x, AXIS, EMULATED), SCALE_MODE)
+    return quantize_e4m3(b_x, tl.expand_dims(b_byte, AXIS), SCALE_MODE, EMULATED, NAN_SIGN), b_byte
+
+
+@triton.jit
+def widen(x, EMULATED: tl.constexpr):
+    """x (fp32 / bf16 / fp16) -> fp32, exactly. The interpreter flushes some bf16 subnormals when it widens them,
+    so there bf16 is widened through its bits (its 16 bits are the top half of the fp32 pattern)."""
+    if EMULATED and x.dtype == tl.bfloat16:
+        y = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 @triton.jit

@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
-from ._common import cdiv, e8m0_from_amax, e8m0_to_fp32, nan_ignoring_amax, quantize_to_e4m3
+from ._common import cdiv, e8m0_to_fp32, mx_quantize, widen
 
 
 @triton.jit
@@ -17,6 +18,7 @@ def _mxfp8_quant_kernel(
     row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
     T, N,
     ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr, SCALE_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+    EMULATED: tl.constexpr,
 ):
     """One [32, BLOCK_N] tile: amax per 32-block (NaN-ignoring), E8M0 byte, elements rounded onto E4M3."""
     i_t, i_n = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
@@ -26,19 +28,17 @@ def _mxfp8_quant_kernel(
     m = m_t[:, None] & m_n[None, :]
     # rows/cols outside the tensor load as NaN: the amax ignores them (partial columnwise block)
     b_x = tl.load(x_ptr + o_t[:, None] * stride_xt + o_n[None, :] * stride_xn, mask=m, other=float("nan"))
-    b_x = b_x.to(tl.float32)  # [32, BLOCK_N]
+    b_x = widen(b_x, EMULATED)  # [32, BLOCK_N]
     if ROWWISE:
         NB: tl.constexpr = BLOCK_N // 32
-        b_xr = tl.reshape(b_x, (32, NB, 32))
-        b_byte = e8m0_from_amax(nan_ignoring_amax(b_xr, 2), SCALE_MODE)  # [32, NB]
-        b_q = tl.reshape(quantize_to_e4m3(b_xr, b_byte[:, :, None]), (32, BLOCK_N))
+        b_q, b_byte = mx_quantize(tl.reshape(b_x, (32, NB, 32)), 2, SCALE_MODE, EMULATED, True)  # b_byte [32, NB]
+        b_q = tl.reshape(b_q, (32, BLOCK_N))
         tl.store(row_data_ptr + o_t[:, None] * N + o_n[None, :], b_q, mask=m)
         o_b = i_n * NB + tl.arange(0, NB)
         m_b = m_t[:, None] & (o_b < N // 32)[None, :]
         tl.store(row_scale_ptr + o_t[:, None] * (N // 32) + o_b[None, :], b_byte.to(tl.uint8), mask=m_b)
     if COLUMNWISE:
-        b_byte = e8m0_from_amax(nan_ignoring_amax(b_x, 0), SCALE_MODE)  # [BLOCK_N]
-        b_q = quantize_to_e4m3(b_x, b_byte[None, :])
+        b_q, b_byte = mx_quantize(b_x, 0, SCALE_MODE, EMULATED, True)  # b_byte [BLOCK_N]
         tl.store(col_data_ptr + o_t[:, None] * N + o_n[None, :], b_q, mask=m)
         tl.store(col_scale_ptr + i_t * N + o_n, b_byte.to(tl.uint8), mask=m_n)
 
@@ -65,7 +65,7 @@ def mxfp8_quant_2d(x2d: torch.Tensor, rowwise: bool, columnwise: bool, scale_mod
         x_ptr=x2d, stride_xt=x2d.stride(0), stride_xn=x2d.stride(1),
         row_data_ptr=rd, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs,
         T=T, N=N, ROWWISE=rowwise, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, BLOCK_N=BLOCK_N,
-        num_warps=4,
+        EMULATED=interpreter_enabled() or dev.type != "cuda", num_warps=4,
     )
     return rd, rs, cd, cs
 
@@ -81,7 +81,7 @@ def _dequant_colwise_kernel(data_ptr, scale_ptr, out_ptr, T, N, BLOCK_N: tl.cons
     b_q = tl.load(data_ptr + o_t[:, None] * N + o_n[None, :], mask=m, other=0.0)
     b_byte = tl.load(scale_ptr + i_t * N + o_n, mask=m_n, other=127).to(tl.int32)
     # 2^(byte - 127), NaN for byte 0xFF (SPEC §2); byte 0 decodes to the subnormal 2^-127
-    b_s = tl.where(b_byte == 0xFF, float("nan"), tl.where(b_byte == 0, 5.877471754111438e-39, e8m0_to_fp32(b_byte)))
+    b_s = tl.where(b_byte == 0xFF, float("nan"), e8m0_to_fp32(b_byte))
     b_v = b_q.to(tl.float32) * b_s[None, :]
     # the interpreter decodes the E4M3 NaN code as 480: keep NaN a NaN (with its sign) explicitly
     b_code = b_q.to(tl.uint8, bitcast=True)

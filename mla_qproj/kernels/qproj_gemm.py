@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._config import QProjConfig, interpreter_enabled
-from ._common import amax_nan_ignoring, cdiv, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16
+from ._common import amax_nan_ignoring, cdiv, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16, widen
 
 BLOCK_N = 256  # default rows of W' per tile (two halves of HALF_N); W' is laid out per tile: `prepare_fused_weight(hb)`
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
@@ -236,7 +236,7 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
         if not PAIRED:
             b_y3 = tl.reshape(b_y, [BLOCK_M, HB // 32, 32])
             b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)  # [BLOCK_M, HB // 32]
-            b_q = tl.reshape(quantize_e4m3(b_y3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
+            b_q = tl.reshape(quantize_e4m3(b_y3, b_byte[:, :, None], SCALE_MODE, EMULATED, False), [BLOCK_M, HB])
             if TMA_STORE:
                 _tma_store_half(yd_pass, yd_rope, b_q, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
@@ -247,7 +247,7 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
             # rows past T become NaN: ignored by the amax, so a partial block's amax is over the rows that exist
             b_c3 = tl.reshape(tl.where(m_t[:, None], b_y, float("nan")), [BLOCK_M // 32, 32, HB])
             b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_c3, 1, EMULATED), SCALE_MODE)  # [BLOCK_M // 32, HB]
-            b_cq = tl.reshape(quantize_e4m3(b_c3, b_cbyte[:, None, :], EMULATED, False), [BLOCK_M, HB])
+            b_cq = tl.reshape(quantize_e4m3(b_c3, b_cbyte[:, None, :], SCALE_MODE, EMULATED, False), [BLOCK_M, HB])
             if TMA_STORE:
                 _tma_store_half(cd_pass, cd_rope, b_cq, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
@@ -287,20 +287,20 @@ def _mainloop(a_desc, w_desc, i_m, i_n, K: tl.constexpr, BLOCK_M: tl.constexpr, 
         o_k = i_k * BLOCK_K
         b_a = a_desc.load([o_am, o_k])  # [BLOCK_M, BLOCK_K]
         if DOT_F32:  # the interpreter multiplies bf16 as integers: upcast (exact) and use an ieee fp32 dot
-            b_a = b_a.to(tl.float32)
+            b_a = widen(b_a, True)
         if TWO_DOTS:
             b_wl = w_desc.load([o_wn, o_k])  # [HB, BLOCK_K]
             b_wh = w_desc.load([o_wn + HB, o_k])  # [HB, BLOCK_K]
             if DOT_F32:
-                b_lo = tl.dot(b_a, b_wl.to(tl.float32).T, b_lo, input_precision="ieee")
-                b_hi = tl.dot(b_a, b_wh.to(tl.float32).T, b_hi, input_precision="ieee")
+                b_lo = tl.dot(b_a, widen(b_wl, True).T, b_lo, input_precision="ieee")
+                b_hi = tl.dot(b_a, widen(b_wh, True).T, b_hi, input_precision="ieee")
             else:
                 b_lo = tl.dot(b_a, b_wl.T, b_lo)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, HB]
                 b_hi = tl.dot(b_a, b_wh.T, b_hi)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, HB]
         else:
             b_w = w_desc.load([o_wn, o_k])  # [2 * HB, BLOCK_K]
             if DOT_F32:
-                b_acc = tl.dot(b_a, b_w.to(tl.float32).T, b_acc, input_precision="ieee")
+                b_acc = tl.dot(b_a, widen(b_w, True).T, b_acc, input_precision="ieee")
             else:
                 b_acc = tl.dot(b_a, b_w.T, b_acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, 2 * HB]
     if not TWO_DOTS:
@@ -326,8 +326,8 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
             o_i = tl.arange(0, RH)
             m_c = m_t[:, None] & (o_i < RH)[None, :]
             o_cs = o_t[:, None] * stride_cs + o_i[None, :]
-            b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
-            b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
+            b_c = widen(tl.load(cos_ptr + o_cs, mask=m_c, other=0.0), EMULATED)[:, None, :]
+            b_s = widen(tl.load(sin_ptr + o_cs, mask=m_c, other=0.0), EMULATED)[:, None, :]
             b_l3 = tl.reshape(b_lo, [BLOCK_M, HB // RH, RH])
             b_h3 = tl.reshape(b_hi, [BLOCK_M, HB // RH, RH])
             b_lo = tl.reshape(b_l3 * b_c - b_h3 * b_s, [BLOCK_M, HB])  # a' = a c - b s
@@ -336,8 +336,8 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
             _, m_i, o_i = _out_cols(i_n, tl.arange(0, HB), 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
             m_c = m_t[:, None] & m_i[None, :]
             o_cs = o_t[:, None] * stride_cs + o_i[None, :]
-            b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_M, HB]
-            b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)  # [BLOCK_M, HB]
+            b_c = widen(tl.load(cos_ptr + o_cs, mask=m_c, other=0.0), EMULATED)  # [BLOCK_M, HB]
+            b_s = widen(tl.load(sin_ptr + o_cs, mask=m_c, other=0.0), EMULATED)  # [BLOCK_M, HB]
             b_lo, b_hi = b_lo * b_c - b_hi * b_s, b_hi * b_c + b_lo * b_s
 
     if PAIRED:  # gptj MXFP8: one MX block = 16 columns of each half, amaxes combined
@@ -350,8 +350,8 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
         b_byte = e8m0_from_amax(b_m, SCALE_MODE)
         o_l, m_l, _ = _out_cols(i_n, tl.arange(0, HB), 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
         o_h, m_h, _ = _out_cols(i_n, tl.arange(0, HB), 1, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
-        b_ql = tl.reshape(quantize_e4m3(b_l3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
-        b_qh = tl.reshape(quantize_e4m3(b_h3, b_byte[:, :, None], EMULATED, False), [BLOCK_M, HB])
+        b_ql = tl.reshape(quantize_e4m3(b_l3, b_byte[:, :, None], SCALE_MODE, EMULATED, False), [BLOCK_M, HB])
+        b_qh = tl.reshape(quantize_e4m3(b_h3, b_byte[:, :, None], SCALE_MODE, EMULATED, False), [BLOCK_M, HB])
         tl.store(y_ptr + o_t[:, None] * N + o_l[None, :], b_ql, mask=m_t[:, None] & m_l[None, :])
         tl.store(y_ptr + o_t[:, None] * N + o_h[None, :], b_qh, mask=m_t[:, None] & m_h[None, :])
         _store_rowwise_scale(rs_ptr, b_byte, o_t, m_t, i_n, 16, 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, next_power_of_2
+from .._config import interpreter_enabled
+from ._common import cdiv, next_power_of_2, widen
 
 
 @triton.jit
@@ -24,29 +25,30 @@ def _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, 
 
 
 @triton.jit
-def _gamma(w_ptr, o_k, m_k, ZERO_CENTERED: tl.constexpr):
+def _gamma(w_ptr, o_k, m_k, ZERO_CENTERED: tl.constexpr, EMULATED: tl.constexpr):
     """The norm weight of columns o_k in fp32 (+1 for a zero-centered gamma)."""
-    b_g = tl.load(w_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_g = widen(tl.load(w_ptr + o_k, mask=m_k, other=0.0), EMULATED)
     if ZERO_CENTERED:
         b_g = b_g + 1.0
     return b_g
 
 
 @triton.jit
-def _chunk_terms(b_x, b_dxn, b_rs, b_g):
+def _chunk_terms(b_x, b_dxn, b_rs, b_g, EMULATED: tl.constexpr):
     """xhat, dxhat of a [rows, chunk] tile and its share of sum(dxhat * xhat) per row."""
-    b_xhat = b_x.to(tl.float32) * b_rs[:, None]
-    b_dxhat = b_dxn.to(tl.float32) * b_g[None, :]
+    b_xhat = widen(b_x, EMULATED) * b_rs[:, None]
+    b_dxhat = widen(b_dxn, EMULATED) * b_g[None, :]
     return b_xhat, b_dxhat, tl.sum(b_dxhat * b_xhat, axis=1)
 
 
 @triton.jit
-def _chunk_finish(dx_ptr, o_t, m_t, o_k, m_k, K: tl.constexpr, b_rs, b_c, b_xhat, b_dxhat, b_dxn, b_dw):
+def _chunk_finish(dx_ptr, o_t, m_t, o_k, m_k, K: tl.constexpr, b_rs, b_c, b_xhat, b_dxhat, b_dxn, b_dw,
+                  EMULATED: tl.constexpr):
     """Store the tile's dx = rsigma * (dxhat - xhat * c); return b_dw + dxn * xhat."""
     b_dx = b_rs[:, None] * (b_dxhat - b_xhat * b_c[:, None])
     tl.store(dx_ptr + o_t[:, None] * K + o_k[None, :], b_dx.to(dx_ptr.dtype.element_ty),
              mask=m_t[:, None] & m_k[None, :])
-    return b_dw + b_dxn.to(tl.float32) * b_xhat
+    return b_dw + widen(b_dxn, EMULATED) * b_xhat
 
 
 @triton.jit
@@ -54,7 +56,7 @@ def _rmsnorm_bwd_kernel(
     dxn_ptr, stride_dxn, x_ptr, stride_x, rsigma_ptr, w_ptr, dx_ptr, dw_part_ptr,
     T,
     ROWS_PER_PROG: tl.constexpr, K: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_K2: tl.constexpr,
+    ROWS: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_K2: tl.constexpr, EMULATED: tl.constexpr,
 ):
     """Program i_p: rows [i_p * ROWS_PER_PROG, (i_p + 1) * ROWS_PER_PROG) as [ROWS, BLOCK_K] tiles (ROWS rows in
     flight per step: the loop is latency-bound with one); dw partial = fixed-order sum over its rows.
@@ -63,12 +65,12 @@ def _rmsnorm_bwd_kernel(
     i_p = tl.program_id(0).to(tl.int64)
     o_k = tl.arange(0, BLOCK_K)
     m_k = o_k < K
-    b_g = _gamma(w_ptr, o_k, m_k, ZERO_CENTERED)
+    b_g = _gamma(w_ptr, o_k, m_k, ZERO_CENTERED, EMULATED)
     b_dw = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     if BLOCK_K2 > 0:
         o_k2 = BLOCK_K + tl.arange(0, BLOCK_K2)
         m_k2 = o_k2 < K
-        b_g2 = _gamma(w_ptr, o_k2, m_k2, ZERO_CENTERED)
+        b_g2 = _gamma(w_ptr, o_k2, m_k2, ZERO_CENTERED, EMULATED)
         b_dw2 = tl.zeros([ROWS, BLOCK_K2], dtype=tl.float32)
     # PREFETCH: the next step's x / dxn / rsigma are loaded before this step's reduction and store (a register
     # double buffer: Triton pipelines no loads outside dot loops, and each step waits on a reduction)
@@ -90,14 +92,15 @@ def _rmsnorm_bwd_kernel(
             b_x, b_dxn, b_rs = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k, m_k)
             if BLOCK_K2 > 0:
                 b_x2, b_dxn2, _ = _load_rows(x_ptr, stride_x, dxn_ptr, stride_dxn, rsigma_ptr, o_t, m_t, o_k2, m_k2)
-        b_xhat, b_dxhat, b_dot = _chunk_terms(b_x, b_dxn, b_rs, b_g)  # b_dot [ROWS]
+        b_xhat, b_dxhat, b_dot = _chunk_terms(b_x, b_dxn, b_rs, b_g, EMULATED)  # b_dot [ROWS]
         if BLOCK_K2 > 0:
-            b_xhat2, b_dxhat2, b_dot2 = _chunk_terms(b_x2, b_dxn2, b_rs, b_g2)
+            b_xhat2, b_dxhat2, b_dot2 = _chunk_terms(b_x2, b_dxn2, b_rs, b_g2, EMULATED)
             b_dot += b_dot2
         b_c = b_dot / K
-        b_dw = _chunk_finish(dx_ptr, o_t, m_t, o_k, m_k, K, b_rs, b_c, b_xhat, b_dxhat, b_dxn, b_dw)
+        b_dw = _chunk_finish(dx_ptr, o_t, m_t, o_k, m_k, K, b_rs, b_c, b_xhat, b_dxhat, b_dxn, b_dw, EMULATED)
         if BLOCK_K2 > 0:
-            b_dw2 = _chunk_finish(dx_ptr, o_t, m_t, o_k2, m_k2, K, b_rs, b_c, b_xhat2, b_dxhat2, b_dxn2, b_dw2)
+            b_dw2 = _chunk_finish(dx_ptr, o_t, m_t, o_k2, m_k2, K, b_rs, b_c, b_xhat2, b_dxhat2, b_dxn2, b_dw2,
+                                  EMULATED)
         if PREFETCH:
             b_x, b_dxn, b_rs = b_x_n, b_dxn_n, b_rs_n
             if BLOCK_K2 > 0:
@@ -152,7 +155,8 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     _rmsnorm_bwd_kernel[(n_prog,)](
         dxn_ptr=dxn, stride_dxn=dxn.stride(0), x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma,
         w_ptr=norm_weight, dx_ptr=dx, dw_part_ptr=part, T=T, ROWS_PER_PROG=rows, K=K,
-        ZERO_CENTERED=zero_centered_gamma, BLOCK_K=block_k, BLOCK_K2=block_k2, **conf,
+        ZERO_CENTERED=zero_centered_gamma, BLOCK_K=block_k, BLOCK_K2=block_k2,
+        EMULATED=interpreter_enabled() or dev.type != "cuda", **conf,
     )
     dg = torch.empty(K, dtype=norm_weight.dtype, device=dev)
     sum_partials(part, dg, **sum_knobs)

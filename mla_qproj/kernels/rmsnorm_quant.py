@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
-from ._common import amax_nan_ignoring, cdiv, dequantize_e4m3, e8m0_from_amax, quantize_e4m3, to_bf16
+from ._common import cdiv, dequantize_e4m3, mx_quantize, to_bf16, widen
 
 
 @triton.jit(do_not_specialize=["store_col"])  # one compiled kernel for 0 and 1 (Triton specializes ints == 1)
@@ -38,7 +38,7 @@ def _rmsnorm_quant_fwd_kernel(
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m = m_t[:, None] & (o_k < K)[None, :]
-            b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+            b_x = widen(tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0), EMULATED)
             b_ss += b_x * b_x
         # correctly rounded sqrt and division (tl.rsqrt is approximate on the GPU)
         b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))  # [32]
@@ -49,21 +49,19 @@ def _rmsnorm_quant_fwd_kernel(
         m_k = o_k < K
         m = m_t[:, None] & m_k[None, :]
         # rows past T load as NaN so the columnwise amax ignores them (partial last block)
-        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=float("nan")).to(tl.float32)
-        b_g = tl.load(w_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_x = widen(tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=float("nan")), EMULATED)
+        b_g = widen(tl.load(w_ptr + o_k, mask=m_k, other=0.0), EMULATED)
         if ZERO_CENTERED:
             b_g = b_g + 1.0
         b_xn = b_x * b_rsigma[:, None] * b_g[None, :]  # [32, BLOCK_K], same op order as the reference
         p_a = a_ptr + o_t[:, None] * K + o_k[None, :]
         if PRECISION == "mxfp8":
             b_xr = tl.reshape(b_xn, (32, NB, 32))
-            b_byte = e8m0_from_amax(amax_nan_ignoring(b_xr, 2, EMULATED), SCALE_MODE)  # [32, NB]
-            b_q = dequantize_e4m3(quantize_e4m3(b_xr, b_byte[:, :, None], EMULATED, True), b_byte[:, :, None],
-                                  b_xr, EMULATED)
-            tl.store(p_a, tl.reshape(b_q, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
+            b_q, b_byte = mx_quantize(b_xr, 2, SCALE_MODE, EMULATED, True)  # b_byte [32, NB]
+            b_img = dequantize_e4m3(b_q, b_byte[:, :, None], b_xr, EMULATED)
+            tl.store(p_a, tl.reshape(b_img, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
             if COLWISE:
-                b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
-                b_cq = quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED, True)
+                b_cq, b_cbyte = mx_quantize(b_xn, 0, SCALE_MODE, EMULATED, True)  # b_cbyte [BLOCK_K]
                 tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m & (store_col != 0))
                 tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k & (store_col != 0))
         else:
@@ -72,7 +70,8 @@ def _rmsnorm_quant_fwd_kernel(
 
 
 @triton.jit
-def _rsigma_kernel(x_ptr, stride_x, rsigma_ptr, T, eps, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rsigma_kernel(x_ptr, stride_x, rsigma_ptr, T, eps, K: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EMULATED: tl.constexpr):
     """rsigma = 1/sqrt(mean(x^2) + eps) for ROWS tokens per program (the SPLIT launch's first kernel)."""
     o_t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     m_t = o_t < T
@@ -80,7 +79,7 @@ def _rsigma_kernel(x_ptr, stride_x, rsigma_ptr, T, eps, K: tl.constexpr, ROWS: t
     for k0 in range(0, K, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
         m = m_t[:, None] & (o_k < K)[None, :]
-        b_x = tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+        b_x = widen(tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m, other=0.0), EMULATED)
         b_ss += b_x * b_x
     b_rsigma = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(b_ss, axis=1), K) + eps))
     tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)
@@ -119,7 +118,8 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     split, rows, rs_block_k, rs_warps = (conf.pop(k) for k in ("SPLIT", "ROWS", "RS_BLOCK_K", "RS_WARPS"))
     if split:
         _rsigma_kernel[(cdiv(T, rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
-                                         ROWS=rows, BLOCK_K=rs_block_k, num_warps=rs_warps)
+                                         ROWS=rows, BLOCK_K=rs_block_k, EMULATED=conf["EMULATED"],
+                                         num_warps=rs_warps)
     _rmsnorm_quant_fwd_kernel[(cdiv(T, 32), cdiv(K, conf["CHUNK_K"]))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd if mx or split else cd.new_empty(1), col_scale_ptr=cs if mx or split else cs.new_empty(1),

@@ -27,14 +27,12 @@ from ._common import (
     cdiv,
     check_pair_tables,
     dequantize_e4m3,
-    e8m0_from_amax,
     image_multipliers_rceil,
-    nan_ignoring_amax,
-    quantize_e4m3,
-    quantize_to_e4m3,
+    mx_quantize,
     rope_sources,
     round_to_bf16,
     to_bf16,
+    widen,
 )
 
 
@@ -59,22 +57,21 @@ def _rope_quant_kernel(
         m_d = o_d < D
         m = m_t[:, None] & m_d[None, :]
         # rows/cols outside load as NaN: ignored by every amax, never stored
-        b_o = tl.load(p_y + o_d[None, :], mask=m, other=float("nan")).to(tl.float32)  # [32, 32]
+        b_o = widen(tl.load(p_y + o_d[None, :], mask=m, other=float("nan")), True)  # [32, 32]
         if (j * 32 + 32 > NOPE) and (j * 32 < NOPE + R):  # compile-time: this tile overlaps the rope columns
             p = o_d - NOPE
             is_rope = (p >= 0) & (p < R) & m_d
             src1, src2, sign, pair = rope_sources(tl.where(is_rope, p, 0), HALF, STYLE, INVERSE)
             m_r = m_t[:, None] & is_rope[None, :]
-            b_v1 = tl.load(p_y + (NOPE + src1)[None, :], mask=m_r, other=float("nan")).to(tl.float32)
-            b_v2 = tl.load(p_y + (NOPE + src2)[None, :], mask=m_r, other=0.0).to(tl.float32)
-            b_c = tl.load(cos_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=1.0).to(tl.float32)
-            b_s = tl.load(sin_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=0.0).to(tl.float32)
+            b_v1 = widen(tl.load(p_y + (NOPE + src1)[None, :], mask=m_r, other=float("nan")), True)
+            b_v2 = widen(tl.load(p_y + (NOPE + src2)[None, :], mask=m_r, other=0.0), True)
+            b_c = widen(tl.load(cos_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=1.0), True)
+            b_s = widen(tl.load(sin_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=0.0), True)
             # (v1*c) + ((±v2)*s): bitwise the reference's a*c - b*s (launched with FMA contraction off)
             b_o = tl.where(is_rope[None, :], b_v1 * b_c + (sign[None, :] * b_v2) * b_s, b_o)
         o_out = o_t[:, None] * N + i_h * D + o_d[None, :]
         if MODE == "mxfp8" or MODE == "mxfp8_images":
-            b_byte = e8m0_from_amax(nan_ignoring_amax(b_o, 1), SCALE_MODE)  # [32]: one block per row
-            b_q = quantize_to_e4m3(b_o, b_byte[:, None])
+            b_q, b_byte = mx_quantize(b_o, 1, SCALE_MODE, True, True)  # b_byte [32]: one block per row
             if MODE == "mxfp8":
                 tl.store(out_ptr + o_out, b_q, mask=m)
                 tl.store(row_scale_ptr + o_t * (N // 32) + i_h * (D // 32) + j, b_byte.to(tl.uint8), mask=m_t)
@@ -82,8 +79,7 @@ def _rope_quant_kernel(
                 b_img = dequantize_e4m3(b_q, b_byte[:, None], b_o, True)
                 tl.store(out_ptr + o_out, b_img.to(tl.bfloat16), mask=m)  # exact image
             if COLUMNWISE:
-                b_cbyte = e8m0_from_amax(nan_ignoring_amax(b_o, 0), SCALE_MODE)  # [32]: one block per column
-                b_cq = quantize_to_e4m3(b_o, b_cbyte[None, :])
+                b_cq, b_cbyte = mx_quantize(b_o, 0, SCALE_MODE, True, True)  # b_cbyte [32]: one block per column
                 if MODE == "mxfp8":
                     tl.store(col_data_ptr + o_out, b_cq, mask=m)
                     tl.store(col_scale_ptr + i_t * N + i_h * D + o_d, b_cbyte.to(tl.uint8), mask=m_d)
@@ -129,8 +125,7 @@ def _emit_tile(b_y, o_t, m_t, i_t, col0, out_ptr, row_scale_ptr, col_data_ptr, c
             tl.store(col_data_ptr + o_out, b_cimg.to(tl.bfloat16), mask=m)
     elif MODE == "mxfp8" or MODE == "mxfp8_images":
         b_y3 = tl.reshape(b_y, [32, W // 32, 32])
-        b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)  # [32, W // 32]
-        b_q = quantize_e4m3(b_y3, b_byte[:, :, None], EMULATED, NAN_SIGN)
+        b_q, b_byte = mx_quantize(b_y3, 2, SCALE_MODE, EMULATED, NAN_SIGN)  # b_byte [32, W // 32]
         if MODE == "mxfp8":
             tl.store(out_ptr + o_out, tl.reshape(b_q, [32, W]), mask=m)
             o_s = o_t[:, None] * (N // 32) + col0 // 32 + tl.arange(0, W // 32)[None, :]
@@ -139,8 +134,7 @@ def _emit_tile(b_y, o_t, m_t, i_t, col0, out_ptr, row_scale_ptr, col_data_ptr, c
             b_img = dequantize_e4m3(b_q, b_byte[:, :, None], b_y3, EMULATED)  # exact in bf16
             tl.store(out_ptr + o_out, tl.reshape(b_img, [32, W]).to(tl.bfloat16), mask=m)
         if COLUMNWISE:
-            b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_y, 0, EMULATED), SCALE_MODE)  # [W]
-            b_cq = quantize_e4m3(b_y, b_cbyte[None, :], EMULATED, NAN_SIGN)
+            b_cq, b_cbyte = mx_quantize(b_y, 0, SCALE_MODE, EMULATED, NAN_SIGN)  # b_cbyte [W]
             if MODE == "mxfp8":
                 tl.store(col_data_ptr + o_out, b_cq, mask=m)
                 tl.store(col_scale_ptr + i_t * N + col0 + o_w, b_cbyte.to(tl.uint8))
@@ -185,28 +179,28 @@ def _rope_quant_fast_kernel(
         # pass-through columns: [32, NOPE_W] tiles; rows past T load as NaN (ignored by every amax, not stored)
         for j in tl.static_range(NOPE // NOPE_W):
             o_w = j * NOPE_W + tl.arange(0, NOPE_W)
-            b_x = tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+            b_x = widen(tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")), EMULATED)
             _emit_tile(b_x, o_t, m_t, i_t, i_h * D + j * NOPE_W, out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
                        NOPE_W, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN, FAST_SCALE)
         # trailing pass-through columns [NOPE + R, D): [32, 32] tiles
         for j in tl.static_range((D - NOPE - R) // 32):
             o_w = NOPE + R + j * 32 + o_32
-            b_x = tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+            b_x = widen(tl.load(p_y + o_w[None, :], mask=m_t[:, None], other=float("nan")), EMULATED)
             _emit_tile(b_x, o_t, m_t, i_t, i_h * D + NOPE + R + j * 32, out_ptr, row_scale_ptr, col_data_ptr,
                        col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED, IMAGE_NAN_SIGN, FAST_SCALE)
         # rope columns: chunks of 32 pairs
         for c in tl.static_range(HALF // 32):
             o_cs = o_t[:, None] * stride_cs + c * 32 + o_32[None, :]
-            b_c = tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0).to(tl.float32)
-            b_s = tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_c = widen(tl.load(cos_ptr + o_cs, mask=m_t[:, None], other=1.0), EMULATED)
+            b_s = widen(tl.load(sin_ptr + o_cs, mask=m_t[:, None], other=0.0), EMULATED)
             if IN_IL:
                 o_in = NOPE + c * 64 + tl.arange(0, 64)
-                b_in = tl.load(p_y + o_in[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+                b_in = widen(tl.load(p_y + o_in[None, :], mask=m_t[:, None], other=float("nan")), EMULATED)
                 b_x1, b_x2 = tl.split(tl.reshape(b_in, [32, 32, 2]))
             else:
                 o_1 = NOPE + c * 32 + o_32
-                b_x1 = tl.load(p_y + o_1[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
-                b_x2 = tl.load(p_y + (o_1 + HALF)[None, :], mask=m_t[:, None], other=float("nan")).to(tl.float32)
+                b_x1 = widen(tl.load(p_y + o_1[None, :], mask=m_t[:, None], other=float("nan")), EMULATED)
+                b_x2 = widen(tl.load(p_y + (o_1 + HALF)[None, :], mask=m_t[:, None], other=float("nan")), EMULATED)
             if INVERSE:
                 b_y1 = b_x1 * b_c + b_x2 * b_s
                 b_y2 = b_x2 * b_c - b_x1 * b_s

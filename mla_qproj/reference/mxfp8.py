@@ -63,15 +63,24 @@ def e8m0_from_amax(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
 def e8m0_to_fp32(byte: torch.Tensor) -> torch.Tensor:
     """2^(byte - 127) as fp32 (exact; byte 0 gives the subnormal 2^-127, 0xFF gives NaN)."""
     b = byte.to(torch.int32)
-    val = torch.ldexp(torch.ones_like(b, dtype=torch.float32), b - E8M0_BIAS)
+    val = _pow2(b - E8M0_BIAS)
     return torch.where(b == E8M0_NAN, torch.full_like(val, float("nan")), val)
 
 
-def quant_multiplier(byte: torch.Tensor) -> torch.Tensor:
-    """r in SPEC §2: 1 for byte 0, else 2^(127 - byte) (fp32, exact; 2^-127 is a subnormal)."""
+def quant_multiplier(byte: torch.Tensor, scale_mode: str = "rceil") -> torch.Tensor:
+    """r in SPEC §2 (fp32, exact; 2^-127 is a subnormal): 2^(127 - byte), except that rceil's byte 0 gives r = 1
+    (its blocks hold only values that round to zero); floor's byte 0 gives 2^127 like every other byte."""
     b = byte.to(torch.int32)
-    r = torch.ldexp(torch.ones_like(b, dtype=torch.float32), E8M0_BIAS - b)
-    return torch.where(b == 0, torch.ones_like(r), r)
+    r = _pow2(E8M0_BIAS - b)
+    return torch.where(b == 0, torch.ones_like(r), r) if scale_mode == "rceil" else r
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2^e as fp32 for integer e in [-149, 127] (exact), from the bits."""
+    e = e.to(torch.int32)
+    normal = ((e + 127).clamp(min=1) << 23).view(torch.float32)
+    sub = (torch.ones_like(e) << (e + 149).clamp(0, 22)).view(torch.float32)  # 2^-149 .. 2^-127
+    return torch.where(e >= -126, normal, sub)
 
 
 def round_to_e4m3_grid(x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +115,32 @@ def to_e4m3(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), nan_code, code).view(torch.float8_e4m3fn)
 
 
+def encode_e4m3(y: torch.Tensor, has_nan: bool = True) -> torch.Tensor:
+    """fp32 y -> E4M3 codes: round to nearest even onto the grid, saturate to ±448, NaN as 0x7F with its sign,
+    sign of zero kept. torch's fp32 -> float8_e4m3fn cast rounds to nearest even (tests/test_reference.py checks it
+    against `round_to_e4m3_grid` bit for bit) but maps values past the grid to NaN, so y is clamped first
+    (equivalent: rounding is monotonic and ±448 is the grid's end). One pass instead of round_to_e4m3_grid's
+    dozen, which is what makes the CPU reference fast enough at the DeepSeek-V3 weight size."""
+    code = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return to_e4m3(y, y) if has_nan else code
+
+
+def _block_amax(xb: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
+    """(NaN-ignoring amax over dim, whether any element is NaN): the plain amax first (NaN propagates into it),
+    the NaN-ignoring one only when a block has a NaN."""
+    m = xb.abs().amax(dim=dim)
+    has_nan = bool(torch.isnan(m).any())
+    return (nan_ignoring_amax(xb, dim) if has_nan else m), has_nan
+
+
 def quantize_rowwise(x: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise MXFP8: 32-blocks along the last dim (a multiple of 32). Returns (fp8 data, uint8 scale)."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"last dimension must be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
-    byte = e8m0_from_amax(nan_ignoring_amax(xb, dim=-1), scale_mode)
-    q = to_e4m3(round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(-1)), xb)
+    amax, has_nan = _block_amax(xb, -1)
+    byte = e8m0_from_amax(amax, scale_mode)
+    q = encode_e4m3(xb * quant_multiplier(byte, scale_mode).unsqueeze(-1), has_nan)
     return q.reshape(x.shape), byte
 
 
@@ -126,21 +154,34 @@ def quantize_columnwise(x2d: torch.Tensor, scale_mode: str = "rceil") -> tuple[t
     # pad with NaN: ignored by the amax, so a partial block's amax is over the rows that exist
     xp = torch.cat([xf, xf.new_full((pad, N), float("nan"))]) if pad else xf
     xb = xp.reshape(nb, MX_BLOCK, N)
-    byte = e8m0_from_amax(nan_ignoring_amax(xb, dim=1), scale_mode)  # [nb, N]
-    q = to_e4m3(round_to_e4m3_grid(xb * quant_multiplier(byte).unsqueeze(1)), xb)
+    amax, has_nan = _block_amax(xb, 1)  # [nb, N]
+    byte = e8m0_from_amax(amax, scale_mode)
+    q = encode_e4m3(xb * quant_multiplier(byte, scale_mode).unsqueeze(1), has_nan)
     return q.reshape(nb * MX_BLOCK, N)[:T], byte
 
 
 def dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """fp8 * 2^(byte - 127) with the scale repeated over its 32-block along the last dim."""
-    s = e8m0_to_fp32(scale).repeat_interleave(MX_BLOCK, dim=-1)
-    return (data.float() * s).to(dtype)
+    """fp8 * 2^(byte - 127), each scale applying to its 32-block along the last dim."""
+    work = _dequant_dtype(dtype)
+    s = e8m0_to_fp32(scale).unsqueeze(-1).to(work)
+    blocks = data.to(work).reshape(*data.shape[:-1], data.shape[-1] // MX_BLOCK, MX_BLOCK)
+    return (blocks * s).reshape(data.shape).to(dtype)
 
 
 def dequantize_columnwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of `quantize_columnwise`: data viewed [T, N] (any shape whose trailing dims match scale's)."""
     n = math.prod(scale.shape[1:])
     T = data.numel() // n if n else 0
-    d2 = data.reshape(T, n).float()
-    s = e8m0_to_fp32(scale.reshape(scale.shape[0], n)).repeat_interleave(MX_BLOCK, dim=0)[:T]
-    return (d2 * s).reshape(data.shape).to(dtype)
+    work = _dequant_dtype(dtype)
+    d2 = data.reshape(T, n).to(work)
+    s = e8m0_to_fp32(scale.reshape(scale.shape[0], n)).to(work)
+    nb = s.shape[0]
+    if T == nb * MX_BLOCK:  # whole blocks: broadcast the scales instead of repeating them
+        return (d2.reshape(nb, MX_BLOCK, n) * s.unsqueeze(1)).reshape(data.shape).to(dtype)
+    return (d2 * s.repeat_interleave(MX_BLOCK, dim=0)[:T]).reshape(data.shape).to(dtype)
+
+
+def _dequant_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the decode multiplies in: bf16 directly for a bf16 result (code and 2^k are exact in bf16 and the
+    product is rounded once, as the fp32 product cast to bf16 would be: half the bytes on the CPU path), else fp32."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

@@ -39,7 +39,7 @@ def prepare_weight(weight: torch.Tensor, cfg: QProjConfig) -> tuple[torch.Tensor
     if cfg.precision == "bf16":
         wb = weight.detach().to(torch.bfloat16)
         return wb, wb
-    w = weight.detach()
+    w = weight.detach().float()  # widened once for both orientations
     fwd = dequantize_rowwise(*quantize_rowwise(w, cfg.scale_mode), dtype=torch.bfloat16)
     bwd = dequantize_columnwise(*quantize_columnwise(w, cfg.scale_mode), dtype=torch.bfloat16)
     return fwd, bwd
