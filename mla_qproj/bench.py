@@ -380,7 +380,8 @@ def make_inputs(T: int, w: torch.Tensor, g: torch.Tensor, device: torch.device) 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m mla_qproj.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mla_qproj.bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", default="1024,4096,16384,65536", help="comma-separated T values")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     p.add_argument("--quick", action="store_true", help="T in {1024, 4096} only")
@@ -390,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="times every row is timed, round-robin (median reported)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("mla_qproj.bench: no CUDA GPU found; this benchmark needs one. Nothing to do.")
-        return 0
+        print("mla_qproj.bench: no CUDA GPU found; this benchmark needs one.", file=sys.stderr)
+        return 2
     tokens = [1024, 4096] if args.quick else [int(t) for t in args.tokens.split(",") if t.strip()]
     device = torch.device("cuda")
     torch.manual_seed(0)

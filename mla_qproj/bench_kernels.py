@@ -12,6 +12,7 @@ minus the flushes alone (GPU time; the bandwidth figure). DeepSeek-V3 query shap
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -93,12 +94,13 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mla_qproj.bench_kernels", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", default="4096,16384")
+    p = argparse.ArgumentParser(prog="python -m mla_qproj.bench_kernels", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tokens", default="4096,16384", help="comma-separated T values")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("mla_qproj.bench_kernels: no CUDA GPU found; this benchmark needs one. Nothing to do.")
-        return 0
+        print("mla_qproj.bench_kernels: no CUDA GPU found; this benchmark needs one.", file=sys.stderr)
+        return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'T':>6}  {'kernel':<42}{'eager ms':>9}{'of copy':>9}{'graph ms':>9}{'GB/s':>9}{'of copy':>9}")
     for T in (int(t) for t in args.tokens.split(",")):
