@@ -1,26 +1,32 @@
-"""Benchmark FusedMLAQUpProjection against cuBLAS and torch.compile peers at the DeepSeek-V3 query shape.
+"""Benchmark FusedMLAQUpProjection against cuBLAS and the unfused compositions users run (DeepSeek-V3 query shape).
 
-    python -m mla_qproj.bench [--tokens 1024,4096,16384,65536] [--out bench_out] [--quick]
+    python -m mla_qproj.bench [--tokens 1024,4096,16384,65536] [--out bench_out] [--results bench_results.jsonl]
 
 Shape: q_lora_rank K=1536, 128 heads, qk_head_dim 128 + rope 64 = q_head_dim 192 (N = 24576); x bf16 [T, K]
 random normal, parameters bf16, prebuilt cos/sin fp32 [T, 64] (HF layout, positions 0..T-1).
 
 Rows per T (all in one process, same inputs):
-  cublas_bf16_gemm              x @ w.t() alone (the GEMM floor)
-  compiled_unfused_mxfp8        torch.compile(RMSNorm fp32 -> bf16 Linear -> DeepSeek RoPE -> MXFP8 rowwise quant),
-                                quantizer = mla_qproj.reference.mxfp8 (plain torch ops)
+  cublas_bf16_gemm              x @ w.t() alone: every forward row's "t/cuBLAS" is its time over this one
+  cublas_fp8_tensorwise_gemm    torch._scaled_mm, per-tensor scales, bf16 out (the FP8 rate with no block scales)
+  cublas_fp8_blockwise_gemm     torch._scaled_mm, 1x128 (x) x 128x128 (W) blocks, bf16 out: the block-FP8 GEMM alone
+  compiled_unfused_mxfp8        torch.compile(RMSNorm fp32 -> bf16 Linear -> DeepSeek RoPE -> MXFP8 rowwise quant)
+  unfused_fp8_block             what a TransformerEngine + Megatron user runs for block FP8: torch.compile(RMSNorm ->
+                                1x128 quantize), cuBLAS blockwise GEMM with bf16 output, then a compiled RoPE in place
+                                on the rope columns only (as Megatron's fused_apply_mla_rope_for_q)
   ours_*                        FusedMLAQUpProjection forward, one knob changed per variant
-  ours_mxfp8_cudagraph          ours_mxfp8 replayed from a CUDA graph (no per-call host work: the GPU time)
+  ours_*_cudagraph              the same forward replayed from a CUDA graph (no per-call host work: the GPU time)
   compiled_unfused_bf16_fwdbwd  torch.compile(RMSNorm -> bf16 Linear -> DeepSeek RoPE), forward + backward
-  ours_mxfp8_fwdbwd             ours (mxfp8 in, mxfp8 out) forward + backward
-Forward rows run under torch.no_grad() (inference); fwd+bwd rows use a random bf16 upstream gradient and get
-grads for x, norm weight and weight. Times: every row is timed --rounds times round-robin (triton.testing.do_bench
-medians, L2 flushed before each call) and the median over the rounds is reported with its spread; ratios are the
-median over the rounds of the same round's ratio (the GPU's clock drifts over a run: same-round rows share it).
-FLOPs: 2*T*K*N per GEMM (forward 1 GEMM, fwd+bwd 3). "t/cuBLAS" = ms / cublas_bf16_gemm ms (forward rows);
-"speed-up" = ms of the unfused compiled peer of the same kind / ms. Peak memory (fwd+bwd rows) is
-torch.cuda.max_memory_allocated over one call after reset, in MiB; "+MiB" is that peak minus what was
-allocated before the call (inputs, parameters and ours' cached quantized weight are in the baseline).
+  ours_*_fwdbwd                 ours forward + backward
+Forward rows run under torch.no_grad() (inference); fwd+bwd rows use a random bf16 upstream gradient and get grads
+for x, norm weight and weight. Every row is timed --rounds times round-robin (triton.testing.do_bench medians, L2
+flushed before each call); the median over the rounds is reported with its spread; ratios are the median over the
+rounds of the same round's ratio (the GPU's clock drifts over a run: same-round rows share it).
+"t/cuBLAS" = ms / cublas_bf16_gemm ms; "t/block" = ms / cublas_fp8_blockwise_gemm ms (fp8_block rows);
+"speed-up" = ms of the row's peer / ms. Peak memory (fwd+bwd rows): torch.cuda.max_memory_allocated over one call.
+Accuracy (--accuracy-tokens): the query and the three gradients of each precision against an fp64 evaluation of the
+unquantized math on the same inputs, relative error ||a - ref|| / ||ref||.
+Results: printed, written to --out (bench.json, bench.png: forward and forward + backward panels, time relative to
+cuBLAS bf16, lower is better) and appended as one JSON line to --results.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ K, H, NOPE, ROPE = 1536, 128, 128, 64
 D = NOPE + ROPE
 N = H * D
 EPS = 1e-6
+FP8_MAX = 448.0
+FLT_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -54,6 +62,18 @@ class Row:
     kind: str  # "fwd" | "fwdbwd"
     ref: str | None  # peer the speed-up is measured against
     build: Callable[[dict], tuple[Callable[[], object], list[torch.Tensor]]]
+
+
+# our layer's variants: name -> constructor arguments
+VARIANTS = {
+    "mxfp8": {},
+    "mxfp8_posids": {},
+    "mxfp8_colwise_out": {"columnwise_output": True},
+    "mxfp8_bf16_out": {"output_format": "bf16"},
+    "bf16_gemm": {"precision": "bf16"},
+    "fp8_block": {"precision": "fp8_block", "output_format": "bf16"},
+    "fp8_block_mxfp8_out": {"precision": "fp8_block", "output_format": "mxfp8"},
+}
 
 
 def environment() -> dict:
@@ -86,6 +106,9 @@ def gpu_state() -> str:
         return ""
 
 
+# ------------------------------------------------------------------------------------------ unfused peers
+
+
 def _rmsnorm_fp32(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * g in fp32."""
     xf = x.float()
@@ -108,48 +131,90 @@ def unfused_bf16(x, g, w, cos_h, sin_h) -> torch.Tensor:
     return _unfused_y(x, g, w, cos_h, sin_h).to(torch.bfloat16)
 
 
+def quantize_blocks_pow2(t: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled FP8 of a 2-D fp32 tensor (dims multiples of the block) with power-of-two scales (TE's Hopper
+    default): (codes fp8 [M, N], scale_inv fp32 [M / bm, N / bn]). Plain torch ops, so torch.compile fuses them."""
+    M_, N_ = t.shape
+    b = t.reshape(M_ // bm, bm, N_ // bn, bn)
+    amax = b.abs().amax(dim=(1, 3), keepdim=True)
+    scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
+    scale = torch.exp2(torch.floor(torch.log2(scale.clamp(max=FLT_MAX))))
+    codes = (b * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(M_, N_)
+    return codes, (1.0 / scale).reshape(M_ // bm, N_ // bn)
+
+
+def fp8_block_norm_quant(x, g) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm -> 1x128 FP8 of xn (the peer's first, compiled step)."""
+    return quantize_blocks_pow2(_rmsnorm_fp32(x, g), 1, 128)
+
+
+def rope_in_place(q: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> None:
+    """DeepSeek RoPE on the rope columns of a bf16 query [T, H, D] in place (the pass-through columns are not
+    touched): interleaved pairs in, halves out."""
+    r = q[..., NOPE:NOPE + ROPE].float()
+    a, b = r[..., 0::2], r[..., 1::2]
+    c, s = cos_h[:, None, :], sin_h[:, None, :]
+    q[..., NOPE:NOPE + ROPE] = torch.cat([a * c - b * s, b * c + a * s], dim=-1).to(q.dtype)
+
+
+def blockwise_gemm(a, sa, wq, ws) -> torch.Tensor:
+    """cuBLAS 1x128 x 128x128 FP8 GEMM, bf16 out: a [T, K] fp8 with sa [T, K/128] (passed M-major), W [N, K] fp8
+    with ws [N/128, K/128] (passed as its [K/128, N/128] view)."""
+    return torch._scaled_mm(a, wq.t(), scale_a=sa.t().contiguous().t(), scale_b=ws.t(), out_dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------- rows
+
+
 def make_rows(layers: dict, compile_mode: str) -> list[Row]:
     """All rows; `layers` maps variant name -> FusedMLAQUpProjection (or an exception if ours is unavailable)."""
     c_mx = torch.compile(unfused_mxfp8, dynamic=False, mode=compile_mode)
     c_bf = torch.compile(unfused_bf16, dynamic=False, mode=compile_mode)
+    c_nq = torch.compile(fp8_block_norm_quant, dynamic=False, mode=compile_mode)
+    c_rope = torch.compile(rope_in_place, dynamic=False, mode=compile_mode)
+
+    def layer_of(variant: str):
+        layer = layers[variant]
+        if isinstance(layer, Exception):
+            raise layer
+        return layer
 
     def ours(variant: str) -> Callable:
         def build(c):
-            layer = layers[variant]
-            if isinstance(layer, Exception):
-                raise layer
-            if variant == "mxfp8_posids":
+            layer = layer_of(variant)
+            if variant.endswith("_posids"):
                 return (lambda: layer(c["x"], position_ids=c["pos"])), []
             return (lambda: layer(c["x"], c["cos"], c["sin"])), []
 
         return build
 
-    def ours_graph(c):
+    def ours_graph(variant: str) -> Callable:
         """The forward captured in a CUDA graph (what torch.compile(mode="reduce-overhead") or a user's graph gives):
         the GPU time without the per-call host work (Python, launches), which bounds small T."""
-        layer = layers["mxfp8"]
-        if isinstance(layer, Exception):
-            raise layer
-        with torch.no_grad():
-            layer(c["x"], c["cos"], c["sin"])  # compiled kernels and the weight cache exist before capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                q = layer(c["x"], c["cos"], c["sin"])
-        c["_graph"] = (graph, q)  # keep the graph's outputs alive
-        return graph.replay, []
+        def build(c):
+            layer = layer_of(variant)
+            with torch.no_grad():
+                layer(c["x"], c["cos"], c["sin"])  # compiled kernels and the weight cache exist before capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    q = layer(c["x"], c["cos"], c["sin"])
+            c["_graph_" + variant] = (graph, q)  # keep the graph's outputs alive
+            return graph.replay, []
 
-    def ours_fwdbwd(c):
-        layer = layers["mxfp8"]
-        if isinstance(layer, Exception):
-            raise layer
-        xr = c["x"].detach().clone().requires_grad_(True)
+        return build
 
-        def fn():
-            q = layer(xr, c["cos"], c["sin"])
-            c["_backward"](q, c["dy"])
+    def ours_fwdbwd(variant: str) -> Callable:
+        def build(c):
+            layer = layer_of(variant)
+            xr = c["x"].detach().clone().requires_grad_(True)
 
-        return fn, [xr, layer.weight, layer.norm_weight]
+            def fn():
+                layer(xr, c["cos"], c["sin"]).backward(c["dy"])  # an MXFP8Tensor takes the dense gradient too
+
+            return fn, [xr, layer.weight, layer.norm_weight]
+
+        return build
 
     def compiled_fwdbwd(c):
         xr = c["x"].detach().clone().requires_grad_(True)
@@ -157,18 +222,47 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         wr = c["w"].detach().clone().requires_grad_(True)
         return (lambda: c_bf(xr, gr, wr, c["cos_h"], c["sin_h"]).backward(c["dy"])), [xr, gr, wr]
 
-    peer = "compiled_unfused_mxfp8"
+    def tensorwise(c):
+        a8 = c["x"].to(torch.float8_e4m3fn)
+        w8 = c["w"].to(torch.float8_e4m3fn)
+        one = torch.ones((), device=a8.device)
+        return (lambda: torch._scaled_mm(a8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)), []
+
+    def blockwise(c):
+        a, sa = quantize_blocks_pow2(c["x"].float(), 1, 128)
+        return (lambda: blockwise_gemm(a, sa, c["wq"], c["ws"])), []
+
+    def unfused_fp8(c):
+        T = c["x"].shape[0]
+
+        def fn():
+            a, sa = c_nq(c["x"], c["g"])
+            q = blockwise_gemm(a, sa, c["wq"], c["ws"]).view(T, H, D)
+            c_rope(q, c["cos_h"], c["sin_h"])
+            return q
+
+        return fn, []
+
+    mx_peer, fp8_peer, bwd_peer = "compiled_unfused_mxfp8", "unfused_fp8_block", "compiled_unfused_bf16_fwdbwd"
     return [
         Row("cublas_bf16_gemm", "fwd", None, lambda c: ((lambda: c["x"] @ c["w"].t()), [])),
-        Row(peer, "fwd", None, lambda c: ((lambda: c_mx(c["x"], c["g"], c["w"], c["cos_h"], c["sin_h"])), [])),
-        Row("ours_mxfp8", "fwd", peer, ours("mxfp8")),
-        Row("ours_mxfp8_posids", "fwd", peer, ours("mxfp8_posids")),
-        Row("ours_mxfp8_cudagraph", "fwd", peer, ours_graph),
+        Row("cublas_fp8_tensorwise_gemm", "fwd", None, tensorwise),
+        Row("cublas_fp8_blockwise_gemm", "fwd", None, blockwise),
+        Row(mx_peer, "fwd", None, lambda c: ((lambda: c_mx(c["x"], c["g"], c["w"], c["cos_h"], c["sin_h"])), [])),
+        Row(fp8_peer, "fwd", None, unfused_fp8),
+        Row("ours_mxfp8", "fwd", mx_peer, ours("mxfp8")),
+        Row("ours_mxfp8_posids", "fwd", mx_peer, ours("mxfp8_posids")),
+        Row("ours_mxfp8_cudagraph", "fwd", mx_peer, ours_graph("mxfp8")),
         Row("ours_mxfp8_colwise_out", "fwd", None, ours("mxfp8_colwise_out")),
         Row("ours_mxfp8_bf16_out", "fwd", None, ours("mxfp8_bf16_out")),
-        Row("ours_bf16_gemm", "fwd", peer, ours("bf16_gemm")),
-        Row("compiled_unfused_bf16_fwdbwd", "fwdbwd", None, compiled_fwdbwd),
-        Row("ours_mxfp8_fwdbwd", "fwdbwd", "compiled_unfused_bf16_fwdbwd", ours_fwdbwd),
+        Row("ours_bf16_gemm", "fwd", mx_peer, ours("bf16_gemm")),
+        Row("ours_fp8_block", "fwd", fp8_peer, ours("fp8_block")),
+        Row("ours_fp8_block_cudagraph", "fwd", fp8_peer, ours_graph("fp8_block")),
+        Row("ours_fp8_block_mxfp8_out", "fwd", fp8_peer, ours("fp8_block_mxfp8_out")),
+        Row(bwd_peer, "fwdbwd", None, compiled_fwdbwd),
+        Row("ours_mxfp8_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("mxfp8")),
+        Row("ours_bf16_gemm_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("bf16_gemm")),
+        Row("ours_fp8_block_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("fp8_block")),
     ]
 
 
@@ -177,19 +271,12 @@ def make_layers(device: torch.device) -> tuple[dict, torch.Tensor, torch.Tensor]
     A variant that fails to construct is stored as its exception (reported per row)."""
     w = (torch.randn(N, K, device=device) * K**-0.5).to(torch.bfloat16)
     g = (1.0 + 0.1 * torch.randn(K, device=device)).to(torch.bfloat16)
-    variants = {
-        "mxfp8": {},
-        "mxfp8_posids": {},
-        "mxfp8_colwise_out": {"columnwise_output": True},
-        "mxfp8_bf16_out": {"output_format": "bf16"},
-        "bf16_gemm": {"precision": "bf16"},
-    }
     layers: dict = {}
     try:
         from . import FusedMLAQUpProjection
     except Exception as e:  # the module is not there: the peers still run
-        return {v: e for v in variants}, w, g
-    for variant, kw in variants.items():
+        return {v: e for v in VARIANTS}, w, g
+    for variant, kw in VARIANTS.items():
         try:
             kw = {"precision": "mxfp8", "output_format": "mxfp8", **kw}
             layer = FusedMLAQUpProjection(K, H, NOPE, ROPE, device=device, dtype=torch.bfloat16, **kw)
@@ -200,24 +287,6 @@ def make_layers(device: torch.device) -> tuple[dict, torch.Tensor, torch.Tensor]
         except Exception as e:
             layers[variant] = e
     return layers, w, g
-
-
-def pick_backward(layer, c: dict) -> str:
-    """Prefer `q.backward(dy)` on the MXFP8Tensor output; fall back to `q.dequantize().backward(dy)`
-    (dequantize is recorded as a copy, so the gradient is the same). Sets c["_backward"], returns its name."""
-    if isinstance(layer, Exception):
-        c["_backward"] = None
-        return "n/a"
-    xr = c["x"][:64].detach().clone().requires_grad_(True)
-    try:
-        layer(xr, c["cos"][:64], c["sin"][:64]).backward(c["dy"][:64])
-        c["_backward"] = lambda q, dy: q.backward(dy)
-        return "q.backward(dy)"
-    except Exception as e:
-        c["_backward"] = lambda q, dy: q.dequantize().backward(dy)
-        return f"q.dequantize().backward(dy) (q.backward(dy) raised {type(e).__name__}: {e})"[:300]
-    finally:
-        layer.zero_grad(set_to_none=True)
 
 
 def measure_peak(fn: Callable, grads: list[torch.Tensor]) -> tuple[float, float]:
@@ -306,21 +375,31 @@ def _median(v: list[float]) -> float:
     return v[len(v) // 2] if len(v) % 2 else 0.5 * (v[len(v) // 2 - 1] + v[len(v) // 2])
 
 
+def _same_round_ratio(a: dict, b: dict) -> float:
+    """Median over rounds of a's time over b's time in the same round."""
+    return _median([x / y for x, y in zip(a["ms_rounds"], b["ms_rounds"], strict=False)])
+
+
 def add_ratios(results: list[dict]) -> None:
-    """t/cuBLAS for forward rows and speed-up vs the row's compiled peer, in place: the median over rounds of the
-    same round's ratio (both timed under the same conditions)."""
+    """t/cuBLAS (forward rows), t/block (fp8_block rows) and the speed-up over the row's peer, in place."""
     by = {(r["T"], r["name"]): r for r in results}
     for r in results:
-        cub, ref = by.get((r["T"], "cublas_bf16_gemm"), {}), by.get((r["T"], r["ref"]), {})
-        if "ms" in r and r["kind"] == "fwd" and "ms" in cub:
-            r["vs_cublas"] = _median([a / b for a, b in zip(r["ms_rounds"], cub["ms_rounds"], strict=False)])
-        if "ms" in r and "ms" in ref:
-            r["speedup"] = _median([b / a for a, b in zip(r["ms_rounds"], ref["ms_rounds"], strict=False)])
+        if "ms" not in r:
+            continue
+        cub, blk = by.get((r["T"], "cublas_bf16_gemm"), {}), by.get((r["T"], "cublas_fp8_blockwise_gemm"), {})
+        ref = by.get((r["T"], r["ref"]), {})
+        if "ms" in cub:
+            # fwd+bwd rows: relative to the forward GEMM too (the chart's common unit)
+            r["vs_cublas"] = _same_round_ratio(r, cub)
+        if "fp8_block" in r["name"] and r["kind"] == "fwd" and "ms" in blk:
+            r["vs_blockwise"] = _same_round_ratio(r, blk)
+        if "ms" in ref:
+            r["speedup"] = 1.0 / _same_round_ratio(r, ref)
 
 
 def format_table(results: list[dict]) -> str:
     """Fixed-width plain-text table (errors listed below it)."""
-    head = (f"{'T':>6}  {'impl':<30}{'ms':>9}{'spread':>8}{'TFLOP/s':>9}{'t/cuBLAS':>9}{'speed-up':>9}"
+    head = (f"{'T':>6}  {'impl':<30}{'ms':>9}{'spread':>8}{'TFLOP/s':>9}{'t/cuBLAS':>9}{'t/block':>8}{'speed-up':>9}"
             f"{'peak MiB':>10}{'+MiB':>9}")
     lines, errs = [head, "-" * len(head)], []
     for r in results:
@@ -333,13 +412,25 @@ def format_table(results: list[dict]) -> str:
             continue
         spread = f"{100 * r['spread']:.1f}%" if "spread" in r else "-"
         lines.append(f"{r['T']:>6}  {r['name']:<30}{f('ms', '.3f'):>9}{spread:>8}{f('tflops', '.1f'):>9}"
-                     f"{f('vs_cublas', '.2f'):>9}{f('speedup', '.2f'):>9}{f('peak_mib', '.0f'):>10}"
-                     f"{f('peak_extra_mib', '.0f'):>9}")
+                     f"{f('vs_cublas', '.2f'):>9}{f('vs_blockwise', '.2f'):>8}{f('speedup', '.2f'):>9}"
+                     f"{f('peak_mib', '.0f'):>10}{f('peak_extra_mib', '.0f'):>9}")
     return "\n".join(lines + (["errors:"] + errs if errs else []))
 
 
+def _style(name: str) -> dict:
+    """Bar colour and hatch: peers in greys (hatched), ours by precision."""
+    if not name.startswith("ours"):
+        greys = {"cublas_bf16_gemm": "0.1", "cublas_fp8_tensorwise_gemm": "0.3", "cublas_fp8_blockwise_gemm": "0.45",
+                 "compiled_unfused_mxfp8": "0.6", "unfused_fp8_block": "0.8"}
+        return {"color": greys.get(name, "0.75"), "hatch": "//" if name.startswith(("compiled", "unfused")) else ""}
+    palette = {"fp8_block": "tab:red", "bf16_gemm": "tab:green", "mxfp8": "tab:blue"}
+    color = next(c for key, c in palette.items() if key in name)
+    return {"color": color, "hatch": ".." if "cudagraph" in name else "xx" if "_out" in name else ""}
+
+
 def plot(results: list[dict], path: str, device: str) -> str | None:
-    """Grouped bar chart of TFLOP/s per T; returns the path, or None when matplotlib is missing."""
+    """Two panels (forward; forward + backward): time relative to the cuBLAS bf16 GEMM of the same T (lower is
+    better), one bar per row and T. Returns the path, or None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -347,33 +438,89 @@ def plot(results: list[dict], path: str, device: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    names = list(dict.fromkeys(r["name"] for r in results))
     Ts = sorted({r["T"] for r in results})
-    val = {(r["T"], r["name"]): r.get("tflops", 0.0) for r in results}
-    fig, ax = plt.subplots(figsize=(max(8, 2.2 * len(Ts)), 6))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(Ts))]
-        ax.bar(xs, [val.get((t, name), 0.0) for t in Ts], width, label=name)
-    ax.set_xticks(range(len(Ts)), [f"T={t}" for t in Ts])
-    ax.set_ylabel("TFLOP/s (fwd: 1 GEMM, fwd+bwd: 3 GEMMs)")
-    ax.set_title(f"MLA query up-projection, K={K}, H={H}, D={D} ({device})")
-    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 3.6 * len(Ts), 7), gridspec_kw={"width_ratios": [2.5, 1]})
+    for ax, kind, title in zip(axes, ("fwd", "fwdbwd"), ("forward", "forward + backward"), strict=True):
+        names = list(dict.fromkeys(r["name"] for r in results if r["kind"] == kind and "vs_cublas" in r))
+        val = {(r["T"], r["name"]): r["vs_cublas"] for r in results if "vs_cublas" in r}
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(Ts))]
+            ax.bar(xs, [val.get((t, name), 0.0) for t in Ts], width, label=name, edgecolor="white", linewidth=0.3,
+                   **_style(name))
+        ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(Ts)), [f"T={t}" for t in Ts])
+        note = "\n(forward + backward is three GEMMs of work)" if kind == "fwdbwd" else ""
+        ax.set_ylabel(f"time / cuBLAS bf16 GEMM of the same T, lower is better{note}")
+        ax.set_title(title)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3 if kind == "fwd" else 1)
+    fig.suptitle(f"MLA query up-projection, K={K}, H={H}, D={D} ({device})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
 
 
+# ---------------------------------------------------------------------------------------------- accuracy
+
+
+def accuracy(layers: dict, w: torch.Tensor, g: torch.Tensor, T: int) -> list[dict]:
+    """Relative error of the query and of dx, dnorm_weight, dweight of each precision (bf16 query) against fp64
+    evaluations of the unquantized math on the same inputs and upstream gradient."""
+    dev = w.device
+    c = make_inputs(T, w, g, dev)
+    x64 = c["x"].double().requires_grad_(True)
+    g64 = c["g"].double().requires_grad_(True)
+    w64 = c["w"].double().requires_grad_(True)
+    xn = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * g64
+    y = apply_rope((xn @ w64.t()).view(T, H, D), c["cos_h"].double(), c["sin_h"].double(), NOPE, ROPE, "deepseek")
+    y.backward(c["dy"].double())
+    ref = {"q": y.detach(), "dx": x64.grad, "dnorm_weight": g64.grad, "dweight": w64.grad}
+    out = []
+    for variant in ("mxfp8_bf16_out", "bf16_gemm", "fp8_block", "mxfp8"):
+        layer = layers.get(variant)
+        if layer is None or isinstance(layer, Exception):
+            out.append({"variant": variant, "error": _err(layer) if layer is not None else "missing"})
+            continue
+        xr = c["x"].detach().clone().requires_grad_(True)
+        q = layer(xr, c["cos"], c["sin"])
+        qd = q.dequantize(torch.float32) if hasattr(q, "dequantize") else q.float()
+        layer.zero_grad(set_to_none=True)
+        qd.backward(c["dy"].float())
+        got = {"q": qd.detach(), "dx": xr.grad, "dnorm_weight": layer.norm_weight.grad, "dweight": layer.weight.grad}
+        rec = {"variant": variant, "T": T}
+        for k, v in got.items():
+            rec[k] = ((v.double() - ref[k]).norm() / ref[k].norm()).item()
+        layer.zero_grad(set_to_none=True)
+        out.append(rec)
+    return out
+
+
+def format_accuracy(acc: list[dict]) -> str:
+    lines = [f"{'variant':<20}{'q':>10}{'dx':>10}{'dnorm_w':>10}{'dweight':>10}   (rel. error vs fp64)"]
+    for r in acc:
+        if "error" in r:
+            lines.append(f"{r['variant']:<20}{r['error']}")
+        else:
+            lines.append(f"{r['variant']:<20}" + "".join(f"{r[k]:>10.2e}" for k in ("q", "dx", "dnorm_weight",
+                                                                                       "dweight")))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- main
+
+
 def make_inputs(T: int, w: torch.Tensor, g: torch.Tensor, device: torch.device) -> dict:
-    """Random inputs for one T: x bf16 [T, K], upstream grad dy bf16 [T, H, D], positions and fp32 tables."""
+    """Random inputs for one T: x bf16 [T, K], upstream grad dy bf16 [T, H, D], positions and fp32 tables, and
+    the weight's 128x128 block FP8 for the cuBLAS rows."""
     pos = torch.arange(T, device=device)
     inv_freq, scaling = rope_inv_freq(ROPE, 10000.0, None)
     cos, sin = build_rope_tables(pos, inv_freq, scaling)  # fp32 [T, 64], HF cat(freqs, freqs)
+    wq, ws = quantize_blocks_pow2(w.float(), 128, 128)
     return {
         "x": torch.randn(T, K, device=device).to(torch.bfloat16),
         "dy": torch.randn(T, H, D, device=device).to(torch.bfloat16),
-        "w": w, "g": g, "pos": pos, "cos": cos, "sin": sin,
+        "w": w, "g": g, "pos": pos, "cos": cos, "sin": sin, "wq": wq, "ws": ws,
         "cos_h": cos[:, : ROPE // 2].contiguous(), "sin_h": sin[:, : ROPE // 2].contiguous(),
     }
 
@@ -384,11 +531,15 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", default="1024,4096,16384,65536", help="comma-separated T values")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    p.add_argument("--results", default="bench_results.jsonl", help="JSON-lines file the run is appended to ('' "
+                   "to skip)")
     p.add_argument("--quick", action="store_true", help="T in {1024, 4096} only")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--compile-mode", default="default", help="torch.compile mode of the peers")
     p.add_argument("--rounds", type=int, default=3, help="times every row is timed, round-robin (median reported)")
+    p.add_argument("--accuracy-tokens", type=int, default=4096, help="T of the accuracy table (0 to skip)")
+    p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("mla_qproj.bench: no CUDA GPU found; this benchmark needs one.", file=sys.stderr)
@@ -403,29 +554,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu state (sm clock, max sm clock, power, temperature): {env['gpu_state_before']}")
     layers, w, g = make_layers(device)
     rows = make_rows(layers, args.compile_mode)
-    results, backward_call = [], None
+    if args.rows:
+        keep = set(args.rows.split(","))
+        rows = [r for r in rows if r.name in keep or r.name == "cublas_bf16_gemm"]
+    results = []
     for T in tokens:
         c = make_inputs(T, w, g, device)
-        backward_call = pick_backward(layers["mxfp8"], c)
         results += bench_T(rows, c, args.warmup, args.rep, args.rounds)
         del c
         torch.cuda.empty_cache()
     add_ratios(results)
     env["gpu_state_after"] = gpu_state()
     print(f"gpu state after: {env['gpu_state_after']}")
+    acc = accuracy(layers, w, g, args.accuracy_tokens) if args.accuracy_tokens else []
     os.makedirs(args.out, exist_ok=True)
     png = plot(results, os.path.join(args.out, "bench.png"), env["device"])
     meta = {"K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE, "q_head_dim": D, "N": N,
             "warmup_ms": args.warmup, "rep_ms": args.rep, "rounds": args.rounds, "compile_mode": args.compile_mode,
-            "ours_backward_call": backward_call, "forward_rows_under": "torch.no_grad()",
+            "forward_rows_under": "torch.no_grad()", "command": " ".join(["python -m mla_qproj.bench"] + (argv or
+                                                                                                   sys.argv[1:])),
             "ours_layer_errors": {v: repr(e) for v, e in layers.items() if isinstance(e, Exception)}}
+    record = {"environment": env, "settings": meta, "results": results, "accuracy": acc}
     with open(os.path.join(args.out, "bench.json"), "w") as fh:
-        json.dump({"environment": env, "settings": meta, "results": results}, fh, indent=1)
-    print(f"wrote {os.path.join(args.out, 'bench.json')}" + (f" and {png}" if png else " (no matplotlib: no PNG)"))
-    print(f"ours fwd+bwd via {backward_call}; forward rows under torch.no_grad(); median over {args.rounds} "
-          "round-robin rounds of do_bench medians (spread: max - min over the rounds, of the median); ratios: median "
-          "of the same round's ratios\n")
+        json.dump(record, fh, indent=1)
+    if args.results:
+        with open(args.results, "a") as fh:
+            fh.write(json.dumps({"run": env["date"] + " " + env["device"], **record}, sort_keys=True,
+                                separators=(",", ":")) + "\n")
+    print(f"wrote {os.path.join(args.out, 'bench.json')}" + (f" and {png}" if png else " (no matplotlib: no PNG)")
+          + (f"; appended to {args.results}" if args.results else ""))
+    print(f"forward rows under torch.no_grad(); median over {args.rounds} round-robin rounds of do_bench medians "
+          "(spread: max - min over the rounds, of the median); ratios: median of the same round's ratios\n")
     print(format_table(results))
+    if acc:
+        print(f"\naccuracy at T = {args.accuracy_tokens} (bf16 query unless the variant says mxfp8):")
+        print(format_accuracy(acc))
     return 0
 
 
