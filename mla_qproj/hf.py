@@ -18,7 +18,6 @@ patched forward calls.
 from __future__ import annotations
 
 import inspect
-import types
 import warnings
 
 import torch
@@ -155,13 +154,26 @@ def _patched_forward(self, hidden_states: torch.Tensor, position_embeddings: tup
     return self.o_proj(attn_output), attn_weights
 
 
+class _PatchedForward:
+    """`attn.forward` while patched: `_patched_forward` bound to one attention module. A module-level class rather
+    than a bound method so that a patched model pickles (torch.save) and unpickles (a bound method would be looked
+    up by name on the module when loaded); copy.deepcopy re-binds it to the copy."""
+
+    __slots__ = ("attn",)
+
+    def __init__(self, attn: nn.Module) -> None:
+        self.attn = attn
+
+    def __call__(self, *args, **kwargs):
+        return _patched_forward(self.attn, *args, **kwargs)
+
+
 def _is_patched(attn: nn.Module) -> bool:
     return _LAYER_KEY in attn.__dict__
 
 
 def _remove_patch(attn: nn.Module) -> None:
-    fwd = attn.__dict__.get("forward")
-    if isinstance(fwd, types.MethodType) and fwd.__func__ is _patched_forward:
+    if isinstance(attn.__dict__.get("forward"), _PatchedForward):
         del attn.__dict__["forward"]
     attn.__dict__.pop(_LAYER_KEY, None)
 
@@ -216,7 +228,7 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     for attn, layer in plan:
         _remove_patch(attn)
         object.__setattr__(attn, _LAYER_KEY, layer)  # plain attribute: not a submodule, no state_dict entries
-        object.__setattr__(attn, "forward", types.MethodType(_patched_forward, attn))
+        object.__setattr__(attn, "forward", _PatchedForward(attn))
     if skipped:
         warnings.warn(f"patch_deepseek_v3: {skipped} of {len(attns)} DeepseekV3 attention modules have no "
                       "q_lora_rank (they use q_proj) and were left unpatched", stacklevel=2)
