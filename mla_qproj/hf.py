@@ -3,15 +3,16 @@
 `patch_deepseek_v3(model)` gives every `DeepseekV3Attention` in `model` (with `q_lora_rank` set) an instance-level
 forward that computes `q_b_proj(q_a_layernorm(x))` and the RoPE of its rope columns in one fused layer, and leaves
 everything else as the installed transformers file does it (keys, values, KV cache, mask, attention function,
-output projection). `unpatch_deepseek_v3(model)` removes it again.
+output projection). `unpatch_deepseek_v3(model)` removes it again; `fused_query_layer(attn)` returns an attention
+module's fused layer.
 
 The fused layer is built with `FusedMLAQUpProjection.from_modules`, so its `weight` / `norm_weight` ARE
 `q_b_proj.weight` / `q_a_layernorm.weight` (no copies). It lives in the attention module's `__dict__` under a private
 name, outside the module tree: `state_dict()` keys, `load_state_dict(strict=True)`, `save_pretrained` /
 `from_pretrained` and `.to()` see only the HF model's own parameters.
 
-Written against transformers 5.17 - 5.24 (`DeepseekV3Attention.forward` takes the cache as `past_key_values` up to
-5.17 and as `cache` later; both have `expand_kv`); other versions are refused when their attention lacks what the
+Written against transformers 5.17 and 5.24 (`DeepseekV3Attention.forward` takes the cache as `past_key_values` in
+5.17 and as `cache` in 5.24; both have `expand_kv`); other versions are refused when their attention lacks what the
 patched forward calls.
 """
 
