@@ -86,6 +86,11 @@ class FusedMLAQUpProjection(nn.Module):
         _LIVE_LAYERS.add(self)
         self.reset_parameters()
 
+    def __setstate__(self, state) -> None:
+        # copies (copy.deepcopy, pickle) listen to optimizer steps too: their weight is a new parameter
+        super().__setstate__(state)
+        _LIVE_LAYERS.add(self)
+
     def _apply(self, fn, recurse=True):
         # `module.to(dtype)` / `.half()` cast every floating buffer; the RoPE frequencies stay fp32 (SPEC §3), so a
         # cast buffer is rebuilt in fp32 from the constructor's arguments (casting back would keep the rounding)
@@ -135,10 +140,12 @@ class FusedMLAQUpProjection(nn.Module):
         kwargs.setdefault("q_head_dim", lw.shape[0] // num_heads)
         if kwargs["q_head_dim"] * num_heads != lw.shape[0]:
             raise ValueError(f"num_heads * q_head_dim must equal linear out_features ({lw.shape[0]})")
-        layer = cls(lw.shape[1], num_heads, qk_head_dim, qk_pos_emb_head_dim, device=lw.device, dtype=lw.dtype,
+        # built on the meta device: its own parameters are replaced at once, so they are never allocated
+        layer = cls(lw.shape[1], num_heads, qk_head_dim, qk_pos_emb_head_dim, device="meta", dtype=lw.dtype,
                     **kwargs)
         layer.weight = lw  # shared: the user's optimizer and state dict keep working
         layer.norm_weight = nw
+        layer.inv_freq = rope_inv_freq(layer.cfg.rope_dim, layer.rope_theta, layer.rope_scaling)[0].to(lw.device)
         return layer
 
     def extra_repr(self) -> str:

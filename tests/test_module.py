@@ -318,6 +318,36 @@ def test_cache_follows_optimizer_steps(opt_name, precision):
         before = now
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copied_layer_cache_follows_fused_optimizer(how):
+    """A copy of a layer (deepcopy, torch.save / load) has new parameters; a fused optimizer's steps (no `_version`
+    bump) must still refresh its quantized weight."""
+    import io
+
+    orig = layer_()
+    orig(torch.randn(5, K, device=DEV), *tables((5,)))  # a cache exists in the original
+    if how == "deepcopy":
+        layer = copy.deepcopy(orig)
+    else:
+        buf = io.BytesIO()
+        torch.save(orig, buf)
+        buf.seek(0)
+        layer = torch.load(buf, weights_only=False)
+    x = torch.randn(33, K, device=DEV)
+    cos, sin = tables((33,))
+    opt = OPTIMIZERS["adamw_fused"](layer.parameters())
+    step_once(layer, opt, x, cos, sin)
+    assert torch.equal(dense(layer(x, cos, sin)), fresh_output(layer, x, cos, sin)), "stale quantized weight"
+
+
+def test_from_modules_allocates_no_weight_of_its_own():
+    norm, lin = nn.RMSNorm(K), nn.Linear(K, H * (NOPE + R), bias=False)
+    layer = FusedMLAQUpProjection.from_modules(norm, lin, num_heads=H, qk_head_dim=NOPE, qk_pos_emb_head_dim=R)
+    assert layer.weight is lin.weight and layer.norm_weight is norm.weight
+    assert not any(t.is_meta for t in list(layer.parameters()) + list(layer.buffers()))
+    assert layer.inv_freq.dtype == torch.float32 and layer.inv_freq.device == lin.weight.device
+
+
 def test_cache_follows_in_place_and_new_parameter():
     layer = layer_()
     x = torch.randn(33, K, device=DEV)
