@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call: what the H200 must check for a change, in one go. Writes logs under $OUT (or ./gpu_out) and
+# prints a short summary last. STEPS selects parts (default: tests bench kernels):
+#   tests   the whole test suite compiled (pytest-xdist -n 8), the gpu-marked tests included
+#   bench   python -m mla_qproj.bench (BENCH_ARGS), appending to bench_results.jsonl (copied to $OUT)
+#   kernels python -m mla_qproj.bench_kernels
+#   probe   any extra command in PROBE (e.g. a tools/ script)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-"tests bench kernels"}
+export PYTHONUNBUFFERED=1
+summary=()
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+for step in $STEPS; do
+  case $step in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -n 8 ${TEST_ARGS:-tests/} > "$OUT/pytest.log" 2>&1
+      summary+=("tests: $(tail -1 "$OUT/pytest.log")");;
+    bench)
+      python3 -m mla_qproj.bench ${BENCH_ARGS:-} --out "$OUT" > "$OUT/bench.log" 2>&1
+      cp bench_results.jsonl "$OUT/" 2>/dev/null
+      summary+=("bench: rc=$? (table at the end of bench.log)");;
+    kernels)
+      python3 -m mla_qproj.bench_kernels > "$OUT/kernels.txt" 2>&1
+      summary+=("kernels: see kernels.txt");;
+    probe)
+      bash -c "${PROBE:-true}" > "$OUT/probe.txt" 2>&1
+      summary+=("probe: rc=$?");;
+  esac
+done
+grep -E "FAILED|ERROR" "$OUT/pytest.log" 2>/dev/null | head -30
+[ -f "$OUT/probe.txt" ] && tail -40 "$OUT/probe.txt"
+[ -f "$OUT/bench.log" ] && sed -n '/^     T  impl/,$p' "$OUT/bench.log"
+[ -f "$OUT/kernels.txt" ] && tail -12 "$OUT/kernels.txt"
+printf '%s\n' "${summary[@]}"
