@@ -78,7 +78,7 @@ for T in (16384, 4096, 1000):
     xT[:, :T] = xc.t()
     for od in (torch.bfloat16, torch.float32):
         run(f"wgrad T={T} 1x128.1x128 out={od}", lambda: torch._scaled_mm(
-            dyT, xT.t(), scale_a=dyc_s.t(), scale_b=xc_s.t(), out_dtype=od), wref)
+            dyT, xT.t(), scale_a=dyc_s.t(), scale_b=xc_s, out_dtype=od), wref)
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     run(f"cublas bf16 fwd T={T}", lambda: xb @ wb.t(), x @ w.t())
     dyb = dy.to(torch.bfloat16)

@@ -115,14 +115,15 @@ def to_e4m3(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), nan_code, code).view(torch.float8_e4m3fn)
 
 
-def encode_e4m3(y: torch.Tensor, has_nan: bool = True) -> torch.Tensor:
-    """fp32 y -> E4M3 codes: round to nearest even onto the grid, saturate to ±448, NaN as 0x7F with its sign,
-    sign of zero kept. torch's fp32 -> float8_e4m3fn cast rounds to nearest even (tests/test_reference.py checks it
-    against `round_to_e4m3_grid` bit for bit) but maps values past the grid to NaN, so y is clamped first
-    (equivalent: rounding is monotonic and ±448 is the grid's end). One pass instead of round_to_e4m3_grid's
-    dozen, which is what makes the CPU reference fast enough at the DeepSeek-V3 weight size."""
-    code = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return to_e4m3(y, y) if has_nan else code
+def encode_e4m3(y: torch.Tensor, x: torch.Tensor, has_nan: bool = True) -> torch.Tensor:
+    """fp32 y = x * r -> E4M3 codes: round to nearest even onto the grid, saturate to ±448, NaN as 0x7F with x's sign,
+    sign of zero kept. torch's fp32 -> float8_e4m3fn cast rounds to nearest even (tests/test_mxfp8_quant.py checks it
+    against `round_to_e4m3_grid` bit for bit) but its handling of values past the grid differs between CPU and CUDA,
+    so y is clamped first (equivalent: rounding is monotonic and ±448 is the grid's end); the NaN sign comes from x
+    because CUDA's multiply already canonicalizes NaN. One pass instead of round_to_e4m3_grid's dozen, which is what
+    makes the CPU reference fast enough at the DeepSeek-V3 weight size."""
+    c = y.clamp(-E4M3_MAX, E4M3_MAX)
+    return to_e4m3(c, x) if has_nan else c.to(torch.float8_e4m3fn)
 
 
 def _block_amax(xb: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
@@ -140,7 +141,7 @@ def quantize_rowwise(x: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
     amax, has_nan = _block_amax(xb, -1)
     byte = e8m0_from_amax(amax, scale_mode)
-    q = encode_e4m3(xb * quant_multiplier(byte, scale_mode).unsqueeze(-1), has_nan)
+    q = encode_e4m3(xb * quant_multiplier(byte, scale_mode).unsqueeze(-1), xb, has_nan)
     return q.reshape(x.shape), byte
 
 
@@ -156,7 +157,7 @@ def quantize_columnwise(x2d: torch.Tensor, scale_mode: str = "rceil") -> tuple[t
     xb = xp.reshape(nb, MX_BLOCK, N)
     amax, has_nan = _block_amax(xb, 1)  # [nb, N]
     byte = e8m0_from_amax(amax, scale_mode)
-    q = encode_e4m3(xb * quant_multiplier(byte, scale_mode).unsqueeze(1), has_nan)
+    q = encode_e4m3(xb * quant_multiplier(byte, scale_mode).unsqueeze(1), xb, has_nan)
     return q.reshape(nb * MX_BLOCK, N)[:T], byte
 
 
