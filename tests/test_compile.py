@@ -4,9 +4,13 @@ it needs a C++ compiler). On the CPU lane the kernels run in the interpreter."""
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import pytest
 import torch
 
+import mla_qproj
 from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
 
 from _tolerances import assert_bytes_equal
@@ -139,3 +143,44 @@ def test_compiled_layer_alone_inductor():
     q_c, g_c = _grads_through(layer, compiled, _CONSUMERS["dequantize"], x, cos, sin, dy)
     _assert_same_query_and_grads(q_c, g_c, q_e, g_e, "inductor")
 
+
+def _warnings_of_ours(records) -> list[str]:
+    """Warnings raised in the package's code or about it (dynamo names the calling file in its message)."""
+    pkg = os.path.dirname(os.path.abspath(mla_qproj.__file__))
+    return [f"{w.filename}:{w.lineno}: {w.message}" for w in records
+            if os.path.abspath(w.filename).startswith(pkg) or pkg in str(w.message) or "lru_cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("output_format", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+def test_compile_emits_no_warnings_of_ours(precision, output_format, monkeypatch):
+    """fullgraph compile + forward + backward on the fused GEMM path: no warning from (or about) the package."""
+    # dynamo reports a warning once per process: start from an empty record so the test does not depend on order
+    if hasattr(torch._dynamo.utils, "warn_once_cache"):
+        monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    layer = FusedMLAQUpProjection(*_FUSED, precision=precision, output_format=output_format, device=DEVICE)
+    compiled = torch.compile(layer, fullgraph=True, backend=_BACKEND)
+    x, cos, sin = _inputs(_FUSED)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        _dense(compiled(x, cos, sin)).backward(torch.randn(33, _FUSED[1], _FUSED[4], device=DEVICE))
+    assert _warnings_of_ours(records) == []
+    assert x.grad is not None and layer.weight.grad is not None and layer.norm_weight.grad is not None
+
+
+@pytest.mark.parametrize("style, output_format", [("deepseek", "mxfp8"), ("gptj", "mxfp8"), ("neox", "bf16")])
+def test_prepare_fused_weight_op(style, output_format):
+    """The fused GEMM's weight layout as a custom op (so compile does not trace its host code): schema and fake
+    implementation, and the same rows as `prepare_fused_weight` with the layer's full config (the layout does
+    not depend on the scale mode or the columnwise output)."""
+    from mla_qproj import ops
+    from mla_qproj._config import QProjConfig
+    from mla_qproj.kernels.qproj_gemm import prepare_fused_weight
+
+    K, H, nope, R, D = _FUSED
+    w = torch.randn(H * D, K, device=DEVICE).to(torch.bfloat16)
+    args = (w, H, nope, R, D, style, output_format)
+    torch.library.opcheck(ops.prepare_fused_weight_op.op, args, test_utils=("test_schema", "test_faketensor"))
+    cfg = QProjConfig.make(K, H, nope, R, D, rope_style=style, output_format=output_format,
+                           columnwise_output=output_format == "mxfp8", scale_mode="floor")
+    assert_bytes_equal(ops.prepare_fused_weight_op.op(*args), prepare_fused_weight(w, cfg), "W'")
