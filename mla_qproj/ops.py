@@ -151,8 +151,10 @@ def _prepare_fused_weight_impl(w_bf16: Tensor, num_heads: int, qk_head_dim: int,
     return prepare_fused_weight(w_bf16, cfg)
 
 
+# cudagraph_unsafe: the layout's index map is built on the host and copied to the device at every call, which a
+# CUDA graph cannot capture (compile's cudagraph mode then leaves the graph uncaptured, as it does for host tensors)
 _prepare_fused_weight_def = torch.library.custom_op(
-    "mla_qproj::prepare_fused_weight", _prepare_fused_weight_impl, mutates_args=())
+    "mla_qproj::prepare_fused_weight", _prepare_fused_weight_impl, mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 prepare_fused_weight_op = _eager_fast(_prepare_fused_weight_def, _prepare_fused_weight_impl)
 
 
