@@ -76,7 +76,10 @@ def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, use_triton: bool, key
     # the fused kernel is built for sm_90 (TMA descriptors, wgmma-sized tiles); older GPUs take the general path
     hopper = (w.device.type == "cuda" and torch.cuda.get_device_capability(w.device)[0] >= 9) or w.device.type == "cpu"
     if gemm is not None and hopper and gemm.fused_gemm_supported(cfg):
-        fused = gemm.prepare_fused_weight(fwd, cfg)
+        from .ops import prepare_fused_weight_op
+
+        fused = prepare_fused_weight_op(fwd, cfg.num_heads, cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim,
+                                        cfg.rope_style, cfg.output_format)
         fwd = None  # only the rearranged copy is read: don't keep both (N*K*2 bytes)
     return PreparedWeight(key, fwd, bwd, fused)
 

@@ -28,7 +28,13 @@ def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton
     H, D = cfg.num_heads, cfg.q_head_dim
     qshape = lead + (H, D)
     if cfg.output_format == "bf16":
-        return outs[0].view(qshape), x2d, rsigma, xn_saved
+        # the query is returned as its own tensor, not as a view of the op's output: FSDP2 (and autograd's view
+        # tracking) treat a returned view as aliasing a hidden base. The buffer is fresh and not referenced
+        # elsewhere, which is what `_unsafe_view` asks for.
+        q = outs[0]
+        if q.shape != qshape or q._base is not None:
+            q = torch.ops.aten._unsafe_view.default(q, qshape)
+        return q, x2d, rsigma, xn_saved
     rd, rs, cd, cs = outs
     if len(lead) != 1:  # the kernels' outputs are [T, H, ...]
         rd, rs = rd.view(qshape), rs.view(lead + (H, D // 32))

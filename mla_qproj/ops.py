@@ -139,6 +139,34 @@ def _gemm_cfg(K, H, nope, R, D, style, output_format, columnwise, scale_mode) ->
                             columnwise_output=columnwise, scale_mode=scale_mode)
 
 
+def _prepare_fused_weight_impl(w_bf16: Tensor, num_heads: int, qk_head_dim: int, rope_dim: int, head_dim: int,
+                               rope_style: str, output_format: str) -> Tensor:
+    """W [H·D, K] bf16 -> the fused GEMM's row order (kernels.qproj_gemm.prepare_fused_weight). The layout
+    depends on the geometry, the rope style and the output format only. An op, so that torch.compile does not
+    trace the layout's host code (a cached index map)."""
+    from .kernels.qproj_gemm import prepare_fused_weight
+
+    cfg = _gemm_cfg(w_bf16.shape[1], num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, False,
+                    "rceil")
+    return prepare_fused_weight(w_bf16, cfg)
+
+
+# cudagraph_unsafe: the layout's index map is built on the host and copied to the device at every call, which a
+# CUDA graph cannot capture (compile's cudagraph mode then leaves the graph uncaptured, as it does for host tensors)
+_prepare_fused_weight_def = torch.library.custom_op(
+    "mla_qproj::prepare_fused_weight", _prepare_fused_weight_impl, mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+prepare_fused_weight_op = _eager_fast(_prepare_fused_weight_def, _prepare_fused_weight_impl)
+
+
+@_prepare_fused_weight_def.register_fake
+def _(w_bf16, num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format):
+    from .kernels.qproj_gemm import fused_layout
+
+    cfg = _gemm_cfg(w_bf16.shape[1], num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, False,
+                    "rceil")
+    return w_bf16.new_empty((fused_layout(cfg)[2], w_bf16.shape[1]))  # the rows prepare_fused_weight lays out
+
+
 def _qproj_gemm_fwd_impl(a: Tensor, w_prepared: Tensor, cos_h: Tensor, sin_h: Tensor, num_heads: int,
                          qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str, output_format: str,
                          columnwise: bool, scale_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:

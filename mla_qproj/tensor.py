@@ -143,6 +143,31 @@ class MXFP8Tensor(torch.Tensor):
         dtype, scale_mode = ctx
         return MXFP8Tensor(shape=outer_size, dtype=dtype, scale_mode=scale_mode, **inner_tensors)
 
+    # ---- torch.compile: the gradient of an MXFP8Tensor is dense (SPEC §4), also across a compiled region's edge ----
+
+    def __coerce_tangent_metadata__(self) -> torch.Tensor:
+        """AOTAutograd, while it traces a graph that returns this tensor with requires_grad, asks which gradient
+        the output will get: a dense tensor of the logical shape and dtype, the only kind that code outside the
+        graph produces (``q.backward(dy)``, ``q.dequantize()``, attention). So the compiled backward takes a
+        plain tangent and a dense runtime gradient needs no conversion (a plain tensor has no hook AOTAutograd
+        could call to turn it into an MXFP8Tensor). AOTAutograd reads ``__tensor_flatten__`` of the returned
+        tangent once, as it does for a subclass; the instance attribute set here answers that with no inner
+        tensors and removes itself, so the tangent is a plain tensor from then on."""
+        ref = self.rowwise_data if self.rowwise_data is not None else self.columnwise_data
+        tangent = ref.new_empty(self.shape, dtype=self.dtype)
+
+        def no_inner_tensors() -> tuple[list[str], None]:
+            del tangent.__tensor_flatten__
+            return [], None
+
+        tangent.__tensor_flatten__ = no_inner_tensors
+        return tangent
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata: Any, expected_type: type | None = None) -> Any:
+        """An MXFP8Tensor arriving as the runtime gradient of a compiled output traced with a dense tangent: its
+        dense decode, as the layer's eager backward uses. None (AOTAutograd then raises) for any other request."""
+        return self.dequantize() if expected_type is torch.Tensor else None
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         kept = [name for name in ("rowwise", "columnwise") if getattr(self, f"{name}_data") is not None]
         grad = f", grad_fn={type(self.grad_fn).__name__}" if self.grad_fn is not None else ""

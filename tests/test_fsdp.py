@@ -1,0 +1,115 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) around the layer: two gloo ranks on the CPU, a few AdamW steps.
+
+The sharded run must train like one process that sees both ranks' batches (gradients averaged over the ranks, as
+FSDP2 reduces them), and the layer's output must not be a view (FSDP2 warns about returned views: an in-place op
+on one would drop its pre-backward hook). The ranks are spawned processes that meet through a file store (no port
+to pick); gloo connects them over the loopback interface."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
+
+WORLD = 2
+STEPS = 3
+GEOM = (64, 2, 32, 32, 64)  # K, H, nope, R, D
+T = 16
+FORMATS = ("mxfp8", "bf16")
+BACKEND = "torch"  # the reference path: FSDP2 sees the same module, Function and outputs; the interpreter is ~3x slower
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, output_format: str) -> None:
+        super().__init__()
+        self.q = FusedMLAQUpProjection(*GEOM, output_format=output_format, backend=BACKEND)
+
+    def forward(self, x, cos, sin):
+        return self.q(x, cos, sin)
+
+
+def _model(output_format: str) -> _Block:
+    torch.manual_seed(0)  # the same initial parameters on every rank and in the single-process run
+    m = _Block(output_format)
+    with torch.no_grad():
+        m.q.norm_weight.uniform_(0.5, 1.5)  # not all ones: its gradient path is exercised
+    return m
+
+
+def _batch(step: int, rank: int):
+    """Rank `rank`'s batch at `step`: x, cos, sin and a random upstream gradient for the query."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    K, H, _, R, D = GEOM
+    return (torch.randn(T, K, generator=g), torch.randn(T, R, generator=g), torch.randn(T, R, generator=g),
+            torch.randn(T, H, D, generator=g))
+
+
+def _train_step(m, opt, batches, scale: float) -> list[bool]:
+    """Forward + backward of each batch (gradients accumulate, times `scale`), one optimizer step. Returns, per
+    forward, whether the query came back as a view."""
+    views = []
+    for x, cos, sin, dy in batches:
+        q = m(x, cos, sin)
+        views.append(q._base is not None)
+        dense = q.dequantize(torch.float32) if isinstance(q, MXFP8Tensor) else q.float()
+        dense.backward(dy * scale)
+    opt.step()
+    opt.zero_grad()
+    return views
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks talk over the loopback interface only
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        result = {}
+        for output_format in FORMATS:
+            m = _model(output_format)
+            fully_shard(m)
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            views = []
+            with warnings.catch_warnings(record=True) as records:
+                warnings.simplefilter("always")
+                for step in range(STEPS):
+                    views += _train_step(m, opt, [_batch(step, rank)], 1.0)
+            params = {name: p.full_tensor().detach().clone() for name, p in m.named_parameters()}
+            result[output_format] = dict(params=params, views=views,
+                                         warnings=[f"{w.filename}:{w.lineno}: {w.message}" for w in records])
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_shard_trains_like_one_process(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for output_format in FORMATS:
+        m = _model(output_format)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        views = []
+        for step in range(STEPS):  # FSDP2 averages the ranks' gradients: accumulate both batches, scaled by 1/2
+            views += _train_step(m, opt, [_batch(step, r) for r in range(WORLD)], 1.0 / WORLD)
+        expected = dict(m.named_parameters())
+        for rank, res in enumerate(results):
+            got = res[output_format]
+            label = f"{output_format}, rank {rank}"
+            assert not any("view" in w for w in got["warnings"]), f"{label}: {got['warnings']}"
+            assert got["views"] == [False] * STEPS, f"{label}: the layer returned a view"
+            assert got["params"].keys() == expected.keys()
+            for name, p in got["params"].items():
+                torch.testing.assert_close(p, expected[name].detach(), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, name=name, label=label: f"{label}, {name}: {m}")
+                assert not torch.equal(p, _model(output_format).get_parameter(name).detach()), f"{name} never moved"
+        assert views == [False] * (STEPS * WORLD), f"{output_format}: the layer returned a view (one process)"
