@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import backend as _backend
@@ -47,7 +49,7 @@ def fp8_block_quantize(t: torch.Tensor, block_shape: tuple[int, int] = (1, 128),
     validate_choice("backend", backend, BACKENDS)
     if t.dim() == 0:
         raise ValueError("t must have at least one dimension")
-    x2d = t.detach().reshape(-1, t.shape[-1])
+    x2d = t.detach().reshape(math.prod(t.shape[:-1]), t.shape[-1])  # = reshape(-1, N), also for N == 0
     if _backend.resolve_backend(backend, t.device):
         from .kernels.fp8_block_quant import fp8_block_quantize_op
 

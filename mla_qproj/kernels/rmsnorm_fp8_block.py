@@ -133,8 +133,9 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     if T == 0:
         return outs
     cfg = config or default_config(T, K, x2d.device)
-    if cfg.block_k % FP8_BLOCK or K % cfg.block_k:
-        raise ValueError(f"config.block_k ({cfg.block_k}) must be a multiple of {FP8_BLOCK} dividing K ({K})")
+    nb = cfg.block_k // FP8_BLOCK
+    if cfg.block_k % FP8_BLOCK or nb & (nb - 1) or K % cfg.block_k:
+        raise ValueError(f"config.block_k ({cfg.block_k}) must be {FP8_BLOCK} times a power of two and divide K ({K})")
     _rsigma_kernel[(cdiv(T, cfg.rs_rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
                                             ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k, num_warps=cfg.rs_warps)
     n_t, n_k = cdiv(T, FP8_BLOCK), K // cfg.block_k
