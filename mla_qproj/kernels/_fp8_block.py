@@ -30,18 +30,29 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @triton.jit
 def fp8_block_scale(amax, POW2: tl.constexpr):
-    """SPEC §5: (scale, scale_inv) fp32 of blocks with this amax. scale = 1.0 for amax 0, NaN or inf; else
-    fp32(448 / amax) (tl.math.div_rn: round to nearest even; plain `/` is approximate on the GPU), FLT_MAX where that
-    overflows; POW2 then clears its mantissa bits. scale_inv = fp32(1 / scale) (exact for POW2)."""
-    special = (amax == 0) | ((amax.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000)  # 0, inf, NaN
-    overflow = amax <= _OVERFLOW_AMAX  # False for NaN
-    safe = tl.where(special | overflow, 1.0, amax)
-    scale = tl.math.div_rn(448.0, safe)
-    scale = tl.where(overflow, _FLT_MAX, scale)
+    """SPEC §5: (scale, scale_inv) fp32 of blocks with this amax (>= 0 or NaN). scale = 1.0 for amax 0, NaN or inf;
+    else fp32(448 / amax) (round to nearest even), FLT_MAX where that overflows; POW2 then clears its mantissa bits.
+    scale_inv = fp32(1 / scale) (exact for POW2).
+
+    POW2 from the exponent alone (no division; checked against the SPEC form on every fp32 amax): for amax = m * 2^e
+    (1 <= m < 2, e = biased exponent - 127), 448 / amax = (1.75 / m) * 2^(8 - e) and 1.75 / m lies in [1, 1.75] for
+    m <= 1.75 and in (0.875, 1) above, never rounding up to the next power of two: scale = 2^k with
+    k = 135 - biased_exp - (mantissa bits > 0x600000); k >= 128 is exactly the overflow (amax <= 7 * 2^-122, fp32
+    subnormals included), whose FLT_MAX clears to 2^127. scale_inv = 2^-k (the subnormal 2^-127 for k = 127).
+    "fp32" divides with tl.math.div_rn (plain `/` is approximate on the GPU)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    special = (amax == 0) | (exp == 0xFF)  # 0, inf, NaN
     if POW2:
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    scale = tl.where(special, 1.0, scale)
-    scale_inv = tl.math.div_rn(1.0, scale)
+        k = tl.minimum(135 - exp - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32), 127)
+        scale = tl.where(special, 0x3F800000, (k + 127) << 23).to(tl.float32, bitcast=True)
+        scale_inv = tl.where(special, 0x3F800000, tl.where(k == 127, 0x400000, (127 - k) << 23))
+        scale_inv = scale_inv.to(tl.float32, bitcast=True)
+    else:
+        overflow = amax <= _OVERFLOW_AMAX  # False for NaN
+        scale = tl.math.div_rn(448.0, tl.where(special | overflow, 1.0, amax))
+        scale = tl.where(special, 1.0, tl.where(overflow, _FLT_MAX, scale))
+        scale_inv = tl.math.div_rn(1.0, scale)
     return scale, scale_inv
 
 
