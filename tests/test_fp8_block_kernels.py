@@ -8,10 +8,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_qproj._config import QProjConfig
+from mla_qproj.kernels._common import cdiv
+from mla_qproj.kernels._fp8_block import fp8_block_scale
 from mla_qproj.kernels.fp8_block_quant import Fp8BlockQuantConfig, fp8_block_quantize_2d, fp8_block_quantize_op
 from mla_qproj.kernels.rmsnorm_fp8_block import RMSNormFp8BlockConfig, rmsnorm_fp8_block_fwd, rmsnorm_fp8_block_fwd_op
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
@@ -432,3 +436,40 @@ def test_rope_fp8_block_gpu_v3(style, block_scale):
     dq, c, s = rope_inputs(4096 + 5, H, D, R, torch.bfloat16, 11)
     for cfg in (None, RopeFp8BlockConfig(32, True, 16)):
         check_rope(dq.cuda(), c.cuda(), s.cuda(), H, nope, R, D, style, block_scale, cfg)
+
+
+# ------------------------------------------------------------------------------------------------ the scale rule
+
+
+@triton.jit
+def _scale_kernel(amax_ptr, scale_ptr, sinv_ptr, n, POW2: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    scale, sinv = fp8_block_scale(tl.load(amax_ptr + o, mask=m, other=0.0), POW2)
+    tl.store(scale_ptr + o, scale, mask=m)
+    tl.store(sinv_ptr + o, sinv, mask=m)
+
+
+def _amax_samples() -> torch.Tensor:
+    """Every biased exponent (subnormals, 0xFF: inf and NaN included) with mantissas at the pow2 rule's edges
+    (0x600000 = 1.75 and its neighbours), at 0 and 0x7FFFFF, and random ones; the overflow threshold 7 * 2^-122
+    and its neighbours."""
+    g = torch.Generator().manual_seed(0)
+    exps = torch.arange(256, dtype=torch.int32)
+    mants = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF, 0x400000], dtype=torch.int32)
+    mants = torch.cat([mants, torch.randint(0, 1 << 23, (57,), generator=g, dtype=torch.int32)])
+    bits = (exps[:, None] << 23 | mants[None, :]).flatten()
+    edge = torch.tensor([7.0 * 2.0**-122]).view(torch.int32)
+    return torch.cat([bits, edge - 1, edge, edge + 1]).view(torch.float32)
+
+
+@pytest.mark.parametrize("block_scale", F.BLOCK_SCALES)
+def test_scale_rule_matches_reference(block_scale):
+    """`fp8_block_scale` (the kernels' twin: exponent arithmetic for pow2, div_rn for fp32) equals the reference's
+    SPEC-form division on every exponent and the pow2 rule's mantissa edges."""
+    amax = _amax_samples().to(DEVICE)
+    scale, sinv = torch.empty_like(amax), torch.empty_like(amax)
+    _scale_kernel[(cdiv(amax.numel(), 1024),)](amax, scale, sinv, amax.numel(), POW2=block_scale == "pow2", BLOCK=1024)
+    rs, rsi = F.fp8_block_scale(amax.cpu(), block_scale)
+    assert_bytes_equal(scale, rs, f"{block_scale} scale")
+    assert_bytes_equal(sinv, rsi, f"{block_scale} scale_inv")

@@ -34,9 +34,10 @@ def fp8_block_scale(amax, POW2: tl.constexpr):
     else fp32(448 / amax) (round to nearest even), FLT_MAX where that overflows; POW2 then clears its mantissa bits.
     scale_inv = fp32(1 / scale) (exact for POW2).
 
-    POW2 from the exponent alone (no division; checked against the SPEC form on every fp32 amax): for amax = m * 2^e
-    (1 <= m < 2, e = biased exponent - 127), 448 / amax = (1.75 / m) * 2^(8 - e) and 1.75 / m lies in [1, 1.75] for
-    m <= 1.75 and in (0.875, 1) above, never rounding up to the next power of two: scale = 2^k with
+    POW2 from the exponent alone (no division; scripts/fp8_block_pow2_check.py checks it against the SPEC form on
+    every fp32 amax): for amax = m * 2^e (1 <= m < 2, e = biased exponent - 127), 448 / amax = (1.75 / m) * 2^(8 - e)
+    and 1.75 / m lies in [1, 1.75] for m <= 1.75 and in (0.875, 1) above, never rounding up to the next power of
+    two: scale = 2^k with
     k = 135 - biased_exp - (mantissa bits > 0x600000); k >= 128 is exactly the overflow (amax <= 7 * 2^-122, fp32
     subnormals included), whose FLT_MAX clears to 2^127. scale_inv = 2^-k (the subnormal 2^-127 for k = 127).
     "fp32" divides with tl.math.div_rn (plain `/` is approximate on the GPU)."""
