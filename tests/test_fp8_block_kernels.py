@@ -303,7 +303,7 @@ def test_rmsnorm_fp8_block_gpu(T, block_scale):
     assert_bytes_equal(rsigma, rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil")[0], "rsigma vs mxfp8 path")
 
 
-# ------------------------------------------------------------------------------------------------ inverse RoPE + quantize
+# ---------------------------------------------------------------------------------------- inverse RoPE + quantize
 
 GEOMS = [(2, 128, 64, 192), (3, 0, 32, 32), (3, 16, 16, 48), (2, 32, 64, 128)]  # (H, nope, R, D)
 STYLES = ["deepseek", "neox", "gptj"]

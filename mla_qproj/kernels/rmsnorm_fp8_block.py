@@ -20,11 +20,16 @@ import triton.language as tl
 from .._config import interpreter_enabled
 from ..reference.fp8_block import FP8_BLOCK
 from ._common import amax_nan_ignoring, cdiv
-from ._fp8_block import check_block_scale, check_float_tensor, fp8_block_scale, quantize_with_scale, round_up, \
-    widen_to_fp32
+from ._fp8_block import (
+    T_PAD,
+    check_block_scale,
+    check_float_tensor,
+    fp8_block_scale,
+    quantize_with_scale,
+    round_up,
+    widen_to_fp32,
+)
 from .rmsnorm_quant import _rsigma_kernel
-
-T_PAD = 16  # the transposed columnwise codes' row length is a multiple of this (cuBLAS: 16-byte aligned rows)
 
 
 @triton.jit
@@ -143,7 +148,8 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     _rmsnorm_fp8_block_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma,
         row_data_ptr=rd.view(torch.uint8), row_sinv_ptr=rs,
-        col_data_ptr=cd.view(torch.uint8) if columnwise else rd.view(torch.uint8), col_sinv_ptr=cs if columnwise else rs,
+        # without the columnwise pair its stores are compiled out: the row outputs stand in as pointers
+        col_data_ptr=(cd if columnwise else rd).view(torch.uint8), col_sinv_ptr=cs if columnwise else rs,
         T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, ZERO_CENTERED=bool(zero_centered_gamma),
         POW2=block_scale == "pow2", COLUMNWISE=bool(columnwise), TOKENS_ON_AXIS0=tokens_on_axis0,
         EMULATED=interpreter_enabled() or x2d.device.type != "cuda", num_warps=cfg.num_warps,

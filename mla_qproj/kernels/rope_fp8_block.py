@@ -29,6 +29,7 @@ from .._config import ROPE_STYLES, interpreter_enabled, validate_choice
 from ..reference.fp8_block import FP8_BLOCK
 from ._common import amax_nan_ignoring, cdiv, check_pair_tables, rope_sources
 from ._fp8_block import (
+    T_PAD,
     check_block_scale,
     check_float_tensor,
     fp8_block_scale,
@@ -37,8 +38,6 @@ from ._fp8_block import (
     round_up,
     widen_to_fp32,
 )
-
-T_PAD = 16  # the transposed columnwise codes' row length is a multiple of this (cuBLAS: 16-byte aligned rows)
 
 
 @triton.jit
