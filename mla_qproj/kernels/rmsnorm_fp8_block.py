@@ -1,0 +1,173 @@
+"""RMSNorm forward fused with the block-scaled FP8 quantization of xn (SPEC §5): one pass over x [T, K] after the
+rsigma kernel. Per tile of 128 tokens x BLOCK_K columns, xn = x * rsigma * g in fp32 (never rounded to bf16) gives
+(a) the forward GEMM's A operand: 1x128 blocks along K, codes [T, K] and scale_inv stored M-major [K/128, T] (the
+    layout cuBLAS's blockwise scaled_mm and the Triton GEMM read: element [kb, t] scales token t's K-block kb);
+(b) when asked (training: the backward saves it for wgrad), 128x1 blocks along T: codes stored transposed
+    [K, T_pad] (T_pad = round_up(T, 16), zero codes in the padding; cuBLAS's wgrad operand layout) and scale_inv
+    [ceil(T/128), K].
+rsigma is `_rsigma_kernel`'s (kernels/rmsnorm_quant.py) with the same launch as rmsnorm_quant's split form, so it has
+the bits of the MXFP8 path's RMSNorm; xn's op order is that of `reference.qproj.rmsnorm_fwd`. Bytes equal
+`reference.fp8_block.quantize_blocks(canonical_nan(xn), ...)` for the kernel's rsigma."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._config import interpreter_enabled
+from ..reference.fp8_block import FP8_BLOCK
+from ._common import amax_nan_ignoring, cdiv
+from ._fp8_block import (
+    T_PAD,
+    check_block_scale,
+    check_float_tensor,
+    fp8_block_scale,
+    quantize_with_scale,
+    round_up,
+    widen_to_fp32,
+)
+from .rmsnorm_quant import _rsigma_kernel
+
+
+@triton.jit
+def _rmsnorm_fp8_block_kernel(
+    x_ptr, stride_x, w_ptr, rsigma_ptr, row_data_ptr, row_sinv_ptr, col_data_ptr, col_sinv_ptr,
+    T, T_pad,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CENTERED: tl.constexpr, POW2: tl.constexpr,
+    COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr,
+):
+    """Program (128 tokens, BLOCK_K columns): xn = x * rsigma * g -> 1x128 codes + M-major scale_inv, and
+    (COLUMNWISE) 128x1 codes stored transposed + their scale_inv. NaN in xn is made +NaN (code 0x7F; see
+    reference/fp8_block.py: the sign of a computed NaN is platform-defined)."""
+    # column tiles on axis 0 by default: programs side by side cover whole rows of x
+    i_t = tl.program_id(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64)
+    i_k = tl.program_id(1 if TOKENS_ON_AXIS0 else 0).to(tl.int64)
+    o_t = i_t * 128 + tl.arange(0, 128)
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)  # K % BLOCK_K == 0: no column mask
+    m_t = o_t < T
+    b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=1.0)  # [128]
+    # rows past T load as NaN: ignored by the 128x1 amax, never stored
+    b_x = widen_to_fp32(tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m_t[:, None],
+                                other=float("nan")), EMULATED)  # [128, BLOCK_K]
+    b_g = widen_to_fp32(tl.load(w_ptr + o_k), EMULATED)  # [BLOCK_K]
+    if ZERO_CENTERED:
+        b_g = b_g + 1.0
+    b_xn = b_x * b_rs[:, None] * b_g[None, :]  # the reference's op order
+    # (a) 1x128 along K: NB blocks per row of the tile
+    NB: tl.constexpr = BLOCK_K // 128
+    b_x3 = tl.reshape(b_xn, (128, NB, 128))
+    b_scale, b_sinv = fp8_block_scale(amax_nan_ignoring(b_x3, 2, EMULATED), POW2)  # [128, NB]
+    b_q = tl.reshape(quantize_with_scale(b_x3, b_scale[:, :, None], 0, EMULATED, False), (128, BLOCK_K))
+    tl.store(row_data_ptr + o_t[:, None] * K + o_k[None, :], b_q, mask=m_t[:, None])
+    o_b = i_k * NB + tl.arange(0, NB)
+    tl.store(row_sinv_ptr + o_b[None, :] * T + o_t[:, None], b_sinv, mask=m_t[:, None])  # M-major [K/128, T]
+    if COLUMNWISE:
+        # (b) 128x1 along T: the tile's 128 rows are one block per column
+        b_cscale, b_csinv = fp8_block_scale(amax_nan_ignoring(b_xn, 0, EMULATED), POW2)  # [BLOCK_K]
+        b_cq = quantize_with_scale(b_xn, b_cscale[None, :], 0, EMULATED, False)
+        b_cq = tl.where(m_t[:, None], b_cq, 0).to(tl.uint8)  # zero codes in the padding [T, T_pad)
+        # transposed [K, T_pad]: tokens contiguous in memory
+        tl.store(col_data_ptr + o_k[:, None] * T_pad + o_t[None, :], tl.trans(b_cq), mask=(o_t < T_pad)[None, :])
+        tl.store(col_sinv_ptr + i_t * K + o_k, b_csinv)
+
+
+@dataclass(frozen=True)
+class RMSNormFp8BlockConfig:
+    """Launch parameters of the quantize kernel (block_k columns per program, num_warps) and of the rsigma kernel
+    (rs_rows tokens per program, rs_block_k, rs_warps: rmsnorm_quant's split-form values, which fix rsigma's bits)."""
+
+    block_k: int = 128
+    num_warps: int = 8
+    rs_rows: int = 4
+    rs_block_k: int = 512
+    rs_warps: int = 4
+
+
+def default_config(T: int, K: int, device: torch.device) -> RMSNormFp8BlockConfig:
+    """[128 tokens, 128 columns] tiles, 8 warps (64 fp32 values per thread). Under the interpreter the rsigma kernel
+    takes 64 tokens per program: fewer (slow) program launches, and the interpreter sums each row alike whatever the
+    rows per program (tests/test_fp8_block_kernels.py compares the bits with rmsnorm_quant's)."""
+    if interpreter_enabled() or device.type != "cuda":
+        return RMSNormFp8BlockConfig(rs_rows=64)
+    return RMSNormFp8BlockConfig()
+
+
+def rmsnorm_fp8_block_outputs(x2d: torch.Tensor, columnwise: bool) -> tuple[torch.Tensor, ...]:
+    """(rsigma fp32 [T], row codes fp8 [T, K], row scale_inv fp32 [K/128, T], col codes fp8 [K, T_pad], col
+    scale_inv fp32 [ceil(T/128), K]); the columnwise pair is [K, 0] / [0, K] when not asked. Shared by the launcher
+    and the fake."""
+    T, K = x2d.shape
+    e = x2d.new_empty
+    t_pad = round_up(T, T_PAD) if columnwise else 0
+    return (e((T,), dtype=torch.float32), e((T, K), dtype=torch.float8_e4m3fn),
+            e((K // FP8_BLOCK, T), dtype=torch.float32), e((K, t_pad), dtype=torch.float8_e4m3fn),
+            e((cdiv(T, FP8_BLOCK) if columnwise else 0, K), dtype=torch.float32))
+
+
+def _check(x2d, norm_weight, eps):
+    check_float_tensor("x2d", x2d)
+    check_float_tensor("norm_weight", norm_weight)
+    if x2d.dim() != 2:
+        raise ValueError(f"x2d must be 2-D [T, K], got shape {tuple(x2d.shape)}")
+    T, K = x2d.shape
+    if K % FP8_BLOCK or K == 0:
+        raise ValueError(f"x2d's last dimension (q_lora_rank) must be a positive multiple of {FP8_BLOCK}, got {K}")
+    if x2d.stride(1) != 1:
+        raise ValueError(f"x2d must have a unit inner stride, got strides {x2d.stride()}")
+    if tuple(norm_weight.shape) != (K,):
+        raise ValueError(f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    if norm_weight.device != x2d.device:
+        raise ValueError(f"norm_weight is on {norm_weight.device}, x2d on {x2d.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+
+
+def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
+                          block_scale: str = "pow2", columnwise: bool = True,
+                          config: RMSNormFp8BlockConfig | None = None) -> tuple[torch.Tensor, ...]:
+    """x2d [T, K] (K % 128 == 0, unit inner stride, any row stride; fp32 / bf16 / fp16) -> the five tensors of
+    `rmsnorm_fp8_block_outputs`. columnwise=False (inference) skips the 128x1 form."""
+    _check(x2d, norm_weight, eps)
+    check_block_scale(block_scale)
+    outs = rmsnorm_fp8_block_outputs(x2d, columnwise)
+    rsigma, rd, rs, cd, cs = outs
+    T, K = x2d.shape
+    if T == 0:
+        return outs
+    cfg = config or default_config(T, K, x2d.device)
+    nb = cfg.block_k // FP8_BLOCK
+    if cfg.block_k % FP8_BLOCK or nb & (nb - 1) or K % cfg.block_k:
+        raise ValueError(f"config.block_k ({cfg.block_k}) must be {FP8_BLOCK} times a power of two and divide K ({K})")
+    _rsigma_kernel[(cdiv(T, cfg.rs_rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
+                                            ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k, num_warps=cfg.rs_warps)
+    n_t, n_k = cdiv(T, FP8_BLOCK), K // cfg.block_k
+    tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
+    _rmsnorm_fp8_block_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
+        x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma,
+        row_data_ptr=rd.view(torch.uint8), row_sinv_ptr=rs,
+        # without the columnwise pair its stores are compiled out: the row outputs stand in as pointers
+        col_data_ptr=(cd if columnwise else rd).view(torch.uint8), col_sinv_ptr=cs if columnwise else rs,
+        T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, ZERO_CENTERED=bool(zero_centered_gamma),
+        POW2=block_scale == "pow2", COLUMNWISE=bool(columnwise), TOKENS_ON_AXIS0=tokens_on_axis0,
+        EMULATED=interpreter_enabled() or x2d.device.type != "cuda", num_warps=cfg.num_warps,
+    )
+    return outs
+
+
+# ------------------------------------------------------------------------------------------------ custom op
+
+
+@torch.library.custom_op("mla_qproj::rmsnorm_fp8_block_fwd", mutates_args=())
+def rmsnorm_fp8_block_fwd_op(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
+                             block_scale: str, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor, torch.Tensor]:
+    """`rmsnorm_fp8_block_fwd` as a torch.library op (traceable by torch.compile; no host syncs)."""
+    return rmsnorm_fp8_block_fwd(x2d, norm_weight, eps, zero_centered_gamma, block_scale, columnwise)
+
+
+@rmsnorm_fp8_block_fwd_op.register_fake
+def _(x2d, norm_weight, eps, zero_centered_gamma, block_scale, columnwise):
+    return rmsnorm_fp8_block_outputs(x2d, columnwise)
