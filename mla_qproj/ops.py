@@ -139,6 +139,13 @@ def _gemm_cfg(K, H, nope, R, D, style, output_format, columnwise, scale_mode) ->
                             columnwise_output=columnwise, scale_mode=scale_mode)
 
 
+def _four_outputs(outs: tuple, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The launcher's outputs as the op's four (q data or bf16 q, row scale, col data, col scale), absent ones
+    empty."""
+    outs = outs if len(outs) == 4 else (outs[0], None, None, None)
+    return tuple(like.new_empty((0,), dtype=torch.uint8) if t is None else t for t in outs)
+
+
 def _qproj_gemm_fwd_impl(a: Tensor, w_prepared: Tensor, cos_h: Tensor, sin_h: Tensor, num_heads: int,
                          qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str, output_format: str,
                          columnwise: bool, scale_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -147,12 +154,7 @@ def _qproj_gemm_fwd_impl(a: Tensor, w_prepared: Tensor, cos_h: Tensor, sin_h: Te
 
     cfg = _gemm_cfg(a.shape[1], num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
                     scale_mode)
-    outs = qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, cfg)
-    empty = a.new_empty((0,), dtype=torch.uint8)
-    if output_format == "bf16":
-        return outs[0], empty, empty.clone(), empty.clone()
-    rd, rs, cd, cs = outs
-    return rd, rs, cd if cd is not None else empty.clone(), cs if cs is not None else empty.clone()
+    return _four_outputs(qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, cfg), a)
 
 
 def _qproj_gemm_fwd_eager(a: Tensor, w_prepared: Tensor, cos_h: Tensor, sin_h: Tensor, num_heads: int,
@@ -175,12 +177,8 @@ qproj_gemm_fwd_op = _eager_fast(_qproj_gemm_fwd_def, _qproj_gemm_fwd_impl, _qpro
 @_qproj_gemm_fwd_def.register_fake
 def _(a, w_prepared, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
       scale_mode):
-    T = a.shape[0]
-    H, D = num_heads, head_dim
-    e = a.new_empty
-    u8 = torch.uint8
-    if output_format == "bf16":
-        return e((T, H, D), dtype=torch.bfloat16), e((0,), dtype=u8), e((0,), dtype=u8), e((0,), dtype=u8)
-    return (e((T, H, D), dtype=_F8), e((T, H, D // MX_BLOCK), dtype=u8),
-            e((T, H, D) if columnwise else (0,), dtype=_F8),
-            e((cdiv(T, MX_BLOCK), H, D) if columnwise else (0,), dtype=u8))
+    from .kernels.qproj_gemm import qproj_gemm_outputs
+
+    cfg = _gemm_cfg(a.shape[1], num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
+                    scale_mode)
+    return _four_outputs(qproj_gemm_outputs(a.shape[0], cfg, a), a)

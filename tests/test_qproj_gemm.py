@@ -8,7 +8,9 @@ from the reference is the fp32 summation order of the GEMM, so >= 99.9 % of the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 
 import pytest
 import torch
@@ -24,8 +26,12 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
+    BLOCK_N,
+    GemmConfig,
     _column_maps,
+    default_config,
     fused_gemm_supported,
+    fused_row_source,
     prepare_fused_weight,
     qproj_gemm_fwd,
     tma_store_supported,
@@ -54,6 +60,11 @@ def _case(T, cfg, device, nan_token=None, nan_rows=None):
     y = (a.float() @ w.float().t()).reshape(T, cfg.num_heads, cfg.q_head_dim)
     y = apply_rope(y, cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style)
     return a, w, cos_h, sin_h, quantize_output(y, cfg)
+
+
+def _config(T, cfg, device, **changes) -> GemmConfig:
+    """The default launch config with some fields changed."""
+    return dataclasses.replace(default_config(T, device, cfg), **changes)
 
 
 def _check(out, ref, cfg, exact_scales=True, min_scale_match=1.0):
@@ -109,7 +120,6 @@ AWKWARD = {
     "gptj_R32_trailing": dict(T=40, geo=(64, 5, 32, 32, 96), style="gptj", scale_mode="floor"),
     "no_pass_through": dict(T=40, geo=(64, 3, 0, 64, 64), style="neox"),
     "many_tiles_K96": dict(T=70, geo=(96, 5, 128, 64, 192), kw=dict(BLOCK_K=64)),
-    "two_dots": dict(T=70, geo=(96, 3, 128, 64, 192), style="gptj", kw=dict(TWO_DOTS=True)),
     "plain_tile_loop_knob": dict(T=70, geo=(96, 3, 128, 64, 192), kw=dict(FLATTEN=False)),
     "rope_gather": dict(T=70, geo=(96, 3, 128, 64, 192), kw=dict(ROPE_BCAST=False)),
     "block_m_64": dict(T=100, geo=(64, 3, 128, 64, 192), style="neox", kw=dict(BLOCK_M=64)),
@@ -126,8 +136,9 @@ def test_tma_store_epilogue(style, fmt, col, P, device):
     assert tma_store_supported(cfg)
     a, w, cos_h, sin_h, ref = _case(45, cfg, device)
     wp = prepare_fused_weight(w, cfg)
-    knobs = dict(FLATTEN=False) if fmt == "bf16" else {}  # Triton 3.6 rejects the flattened loop with bf16 TMA stores
-    out = qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, TMA_STORE=True, **knobs)
+    # Triton 3.6 rejects the flattened loop with bf16 TMA stores
+    config = _config(45, cfg, device, TMA_STORE=True, FLATTEN=fmt != "bf16")
+    out = qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg, config=config)
     for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, wp, cos_h, sin_h, cfg), strict=True)):
         if b is not None:
             assert_bytes_equal(o, b, f"TMA_STORE output {i}")
@@ -136,34 +147,13 @@ def test_tma_store_epilogue(style, fmt, col, P, device):
     assert not tma_store_supported(_cfg(64, 3, 128, 64, 192, style="gptj", fmt="bf16"))  # interleaved halves
 
 
-HB_CASES = [("deepseek", "mxfp8", True, False, 64), ("deepseek", "mxfp8", False, True, 64),
-            ("neox", "bf16", False, True, 64), ("gptj", "mxfp8", True, False, 64), ("neox", "mxfp8", False, False, 32)]
-
-
-@pytest.mark.parametrize("style,fmt,col,tma,hb", HB_CASES)
-def test_half_tile_width(style, fmt, col, tma, hb, device):
-    """W' laid out in tiles of 2·hb rows (HB launch knob, `prepare_fused_weight(..., hb)`): the same bytes as the
-    default 2·128-row tiles and the reference's codes, with pointer and TMA stores; T not a multiple of the tile."""
-    cfg = _cfg(64, 5, 128, 64, 192, style=style, fmt=fmt, col=col)
-    a, w, cos_h, sin_h, ref = _case(45, cfg, device)
-    knobs = dict(TMA_STORE=tma, FLATTEN=not (tma and fmt == "bf16"))
-    out = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg, hb=hb), cos_h, sin_h, cfg, HB=hb, **knobs)
-    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, prepare_fused_weight(w, cfg), cos_h, sin_h, cfg, **knobs),
-                                   strict=True)):
-        if b is not None:
-            assert_bytes_equal(o, b, f"HB={hb} output {i}")
-    _check(out, ref, cfg)
-    src, dst = _column_maps(cfg, hb)
-    assert torch.equal(src[src >= 0].sort().values, torch.arange(cfg.out_features))
-    assert torch.equal(src < 0, dst < 0) and src.numel() % (2 * hb) == 0
-
-
 @pytest.mark.parametrize("name", list(AWKWARD))
 def test_awkward_cases(name, device):
     case = AWKWARD[name]
     cfg = _cfg(*case["geo"], case.get("style", "deepseek"), "mxfp8", True, case.get("scale_mode", "rceil"))
     a, w, c, s, ref = _case(case["T"], cfg, device)
-    out = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg), c, s, cfg, **case.get("kw", {}))
+    config = _config(case["T"], cfg, device, **case.get("kw", {}))
+    out = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg), c, s, cfg, config=config)
     _check(out, ref, cfg)
 
 
@@ -217,11 +207,26 @@ def test_column_maps_are_permutations(style, geo):
     for label, m in (("src", src), ("out", out)):
         v = m[m >= 0]
         assert torch.equal(v.sort().values, torch.arange(N)), f"{label} map is not a permutation"
-    assert torch.equal(src < 0, out < 0)
+    assert torch.equal(src < 0, out < 0) and src.numel() % BLOCK_N == 0
+    assert torch.equal(fused_row_source(cfg), src)
     w = torch.randn(N, 64).bfloat16()
     wp = prepare_fused_weight(w, cfg)
     assert torch.equal(wp[src >= 0], w[src[src >= 0]])
     assert (wp[src < 0] == 0).all()
+    assert_bytes_equal(prepare_fused_weight(w, cfg, src=src), wp, "W' from a precomputed src")
+
+
+def test_prepare_fused_weight_traces_without_cache(device):
+    """The layer prepares W' inside its graph under torch.compile: the layout helpers carry no functools cache
+    (dynamo warns on each one and traces through it), and the compiled W' is the eager one."""
+    cfg = _cfg(64, 3, 128, 64, 192)
+    w = torch.randn(cfg.out_features, 64, device=device).bfloat16()
+    fn = torch.compile(lambda t: prepare_fused_weight(t, cfg), fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        wp = fn(w)
+    assert not [r for r in rec if "lru_cache" in str(r.message)], [str(r.message)[:200] for r in rec]
+    assert_bytes_equal(wp, prepare_fused_weight(w, cfg), "compiled W'")
 
 
 def test_supported_geometries():
@@ -254,6 +259,16 @@ def test_input_errors(device):
     with pytest.raises(ValueError, match="does not cover"):
         bad = _cfg(64, 2, 16, 64, 96)
         qproj_gemm_fwd(a, wp, c, c, bad)
+    with pytest.raises(TypeError, match="config must be a GemmConfig"):
+        qproj_gemm_fwd(a, wp, c, c, cfg, config=dict(BLOCK_M=32))
+    with pytest.raises(ValueError, match="TMA_STORE does not cover"):  # gptj interleaves the halves
+        gptj = _cfg(64, 2, 128, 64, 192, "gptj")
+        qproj_gemm_fwd(a, prepare_fused_weight(w, gptj), c, c, gptj, config=_config(8, gptj, device, TMA_STORE=True))
+    with pytest.raises(ValueError, match="ROPE_BCAST"):  # R/2 = 48 does not divide the 128-wide half
+        r96 = _cfg(64, 2, 64, 96, 160, "deepseek", "bf16")
+        c48 = torch.randn(8, 48, device=device)
+        qproj_gemm_fwd(a, prepare_fused_weight(w[:320], r96), c48, c48, r96, config=_config(8, r96, device,
+                                                                                          ROPE_BCAST=True))
     with pytest.raises(ValueError, match="w_bf16 must have shape"):
         prepare_fused_weight(w[:-1], cfg)
     with pytest.raises(TypeError, match="bfloat16"):
