@@ -47,8 +47,8 @@ def main() -> None:
         configs = {tma: dataclasses.replace(qg.default_config(T, dev, cfg), TMA_STORE=tma) for tma in (False, True)}
         base = qg.qproj_gemm_fwd(a, wp, c, s, cfg, config=configs[False])
         for tma in (False, True):
-            def fn(tma=tma, a=a, c=c, s=s):
-                return qg.qproj_gemm_fwd(a, wp, c, s, cfg, config=configs[tma])
+            def fn(a=a, c=c, s=s, config=configs[tma]):
+                return qg.qproj_gemm_fwd(a, wp, c, s, cfg, config=config)
 
             out = fn()
             same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(out, base, strict=True)

@@ -36,8 +36,8 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not
 
 from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
     BLOCK_N,
-    GemmConfig,
     HALF_N,
+    GemmConfig,
     _column_maps,
     default_config,
     fused_gemm_supported,
