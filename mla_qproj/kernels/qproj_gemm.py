@@ -580,14 +580,25 @@ def _default_config_fp8(T: int, device: torch.device, cfg: QProjConfig) -> GemmC
     return _geometry_config(T, device, cfg, BLOCK_M=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
+# default configs by (operands, cfg, device, T buckets): building one costs several microseconds of the launch's
+# host time. Only the launcher (inside the custom ops, never traced by dynamo) and scripts call default_config.
+_DEFAULT_CONFIGS: dict[tuple, GemmConfig] = {}
+
+
 def default_config(T: int, device: torch.device, cfg: QProjConfig, operands: str = "bf16") -> GemmConfig:
     """The launch config `qproj_gemm_fwd` uses for T tokens on device: fixed configs per operand kind (the kernel
     variant), keyed on the device and a T bucket (autotuning costs seconds per config)."""
-    if operands == "bf16":
-        return _default_config_bf16(T, device, cfg)
-    if operands == "fp8_block":
-        return _default_config_fp8(T, device, cfg)
-    raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+    key = (operands, cfg, device, T <= 64, T >= TMA_STORE_MIN_T)  # every T bucket the choosers use
+    config = _DEFAULT_CONFIGS.get(key)
+    if config is None:
+        if operands == "bf16":
+            config = _default_config_bf16(T, device, cfg)
+        elif operands == "fp8_block":
+            config = _default_config_fp8(T, device, cfg)
+        else:
+            raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+        _DEFAULT_CONFIGS[key] = config
+    return config
 
 
 def _check_config(config: GemmConfig, cfg: QProjConfig, operands: str) -> None:
@@ -650,15 +661,15 @@ def qproj_gemm_outputs(T: int, cfg: QProjConfig, like: torch.Tensor) -> tuple:
     """The launcher's outputs, allocated on like's device (also the custom op's fake implementation):
     bf16 out: (y bf16 [T, H, D],); mxfp8: (row data fp8 [T, H, D], row scale uint8 [T, H, D/32],
     col data fp8 [T, H, D] or None, col scale uint8 [ceil(T/32), H, D] or None)."""
-    H, D = cfg.num_heads, cfg.q_head_dim
+    H, D, dev = cfg.num_heads, cfg.q_head_dim, like.device
     if cfg.output_format == "bf16":
-        return (like.new_empty((T, H, D), dtype=torch.bfloat16),)
-    rd = like.new_empty((T, H, D), dtype=torch.float8_e4m3fn)
-    rs = like.new_empty((T, H, D // _MX), dtype=torch.uint8)
+        return (torch.empty((T, H, D), dtype=torch.bfloat16, device=dev),)
+    rd = torch.empty((T, H, D), dtype=torch.float8_e4m3fn, device=dev)
+    rs = torch.empty((T, H, D // _MX), dtype=torch.uint8, device=dev)
     cd = cs = None
     if cfg.columnwise_output:
-        cd = like.new_empty((T, H, D), dtype=torch.float8_e4m3fn)
-        cs = like.new_empty((cdiv(T, _MX), H, D), dtype=torch.uint8)
+        cd = torch.empty((T, H, D), dtype=torch.float8_e4m3fn, device=dev)
+        cs = torch.empty((cdiv(T, _MX), H, D), dtype=torch.uint8, device=dev)
     return rd, rs, cd, cs
 
 
