@@ -3,7 +3,7 @@ reference, then timings against cuBLAS bf16 `a @ w.t()`; prints a short table la
 
     PYTHONUNBUFFERED=1 python3 scripts/gemm_probe.py                 # table: T = 4096, 16384; row, row+col, bf16
     PYTHONUNBUFFERED=1 python3 scripts/gemm_probe.py --variants      # also launch-knob variants at T = 16384
-    PYTHONUNBUFFERED=1 python3 scripts/gemm_probe.py --variants short  # GEMM-only ceiling + num_stages=4
+    PYTHONUNBUFFERED=1 python3 scripts/gemm_probe.py --variants short  # num_stages=4
     PYTHONUNBUFFERED=1 python3 scripts/gemm_probe.py --small         # also small awkward shapes vs the reference
 
 Geometry: DeepSeek-V3 q up-projection, K = 1536, H = 128, D = 192 (nope 128, rope 64), deepseek RoPE layout.
@@ -13,6 +13,7 @@ FLOPs = 2·T·N·K with N = H·D. Full logs go to $OUT/gemm_probe.log when $OUT 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -103,7 +104,8 @@ def bench(fn):
 
 
 def run_variants(T, variants, dev, table):
-    """Time each (mode, launch knobs) at T next to cuBLAS; True when every variant's bytes equal the default's."""
+    """Time each (mode, GemmConfig changes) at T next to cuBLAS; True when every variant's bytes equal the
+    default's."""
     flops = 2.0 * T * H * D * K
     ok = True
     a, w, c, s = make_inputs(T, make_cfg("bf16", False), dev, seed=1)
@@ -112,13 +114,12 @@ def run_variants(T, variants, dev, table):
         cfg = make_cfg(*MODES[mode])
         wp = qg.prepare_fused_weight(w, cfg)
         base = qg.qproj_gemm_fwd(a, wp, c, s, cfg)
-        wv = qg.prepare_fused_weight(w, cfg, hb=ov["HB"]) if "HB" in ov else wp
         try:
-            out = qg.qproj_gemm_fwd(a, wv, c, s, cfg, **ov)
-            same = ov.get("EPILOGUE", True) is False or all(
-                torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                for x, y in zip(out, base, strict=True) if x is not None)
-            t = bench(lambda: qg.qproj_gemm_fwd(a, wv, c, s, cfg, **ov))  # noqa: B023
+            config = dataclasses.replace(qg.default_config(T, dev, cfg), **ov)
+            out = qg.qproj_gemm_fwd(a, wp, c, s, cfg, config=config)
+            same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                       for x, y in zip(out, base, strict=True) if x is not None)
+            t = bench(lambda: qg.qproj_gemm_fwd(a, wp, c, s, cfg, config=config))  # noqa: B023
             table.append((T, f"{mode} {ov}", t, flops / t * 1e-9, t_cublas / t))
             log(f"variant T={T} {mode} {ov}: {t:.3f} ms, bytes equal to default: {same}")
             ok &= bool(same)
@@ -132,8 +133,8 @@ def main():
     global _log
     ap = argparse.ArgumentParser()
     ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma", "occ2", "hb64"],
-                    help="launch-knob variants at the largest T (short: GEMM-only ceiling and num_stages=4)")
+    ap.add_argument("--variants", nargs="?", const="all", choices=["short", "all", "tma", "occ2"],
+                    help="launch-config variants at the largest T (short: num_stages=4)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     if os.environ.get("OUT"):
@@ -169,36 +170,25 @@ def main():
         del a, w, c, s
         torch.cuda.empty_cache()
 
-    # launch knobs at the largest T (hb64: at every T), each checked byte-for-byte against the default launch
-    for T in (args.T if args.variants == "hb64" else args.T[-1:]) if args.variants else ():
-        variants = [("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", dict(num_stages=4)),
-                    ("bf16", dict(num_stages=4))]
+    # launch configs at the largest T, each checked byte-for-byte against the default launch
+    for T in args.T[-1:] if args.variants else ():
+        variants = [("mxfp8 row", dict(num_stages=4)), ("bf16", dict(num_stages=4))]
         if args.variants == "tma":  # epilogue stores through tensor descriptors (TMA, asynchronous)
-            variants = [("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", dict(TMA_STORE=True)),
+            variants = [("mxfp8 row", dict(TMA_STORE=True)),
                         ("mxfp8 row", dict(TMA_STORE=True, num_stages=4)), ("mxfp8 row+col", dict(TMA_STORE=True)),
                         ("bf16", dict(TMA_STORE=True, FLATTEN=False)), ("mxfp8 row", dict(TMA_STORE=True, GROUP_M=16))]
         if args.variants == "occ2":  # [64, 256] tiles, one warpgroup, two programs per SM: one's epilogue can run
             # while the other's MMAs do (the overlap a single [128, 256] program per SM cannot have on sm_90)
             n2 = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
             o2 = dict(BLOCK_M=64, num_warps=4, NUM_SMS=n2, TMA_STORE=True)
-            variants = [("mxfp8 row", dict(TMA_STORE=True)), ("mxfp8 row", dict(TMA_STORE=True, EPILOGUE=False)),
-                        ("mxfp8 row", dict(o2, num_stages=2)), ("mxfp8 row", dict(o2, num_stages=2, EPILOGUE=False)),
+            variants = [("mxfp8 row", dict(TMA_STORE=True)), ("mxfp8 row", dict(o2, num_stages=2)),
                         ("mxfp8 row", dict(o2, num_stages=3, BLOCK_K=32)), ("mxfp8 row", dict(o2, num_stages=4,
                                                                                               BLOCK_K=32)),
                         ("mxfp8 row", dict(o2, num_stages=4, NUM_SMS=n2 // 2)), ("bf16", dict(o2, num_stages=2,
                                                                                              FLATTEN=False))]
-        if args.variants == "hb64":  # [128, 128] tiles (W' in 2·64-row tiles), two programs per SM at <= 128
-            # registers: one program's epilogue runs while the other's MMAs do
-            n2 = 2 * torch.cuda.get_device_properties(dev).multi_processor_count
-            o2 = dict(HB=64, NUM_SMS=n2, maxnreg=128, TMA_STORE=False)  # 3 stages + TMA staging: one program per SM
-            variants = [("mxfp8 row", {}), ("mxfp8 row", dict(EPILOGUE=False)), ("mxfp8 row", o2),
-                        ("mxfp8 row", dict(o2, EPILOGUE=False)), ("mxfp8 row", dict(o2, TMA_STORE=True, num_stages=2)),
-                        ("mxfp8 row", dict(o2, num_stages=2)), ("mxfp8 row", dict(o2, GROUP_M=16)),
-                        ("mxfp8 row", dict(HB=64)), ("bf16", o2), ("mxfp8 row+col", o2)]
         if args.variants == "all":
-            variants += [("mxfp8 row", dict(FLATTEN=False)), ("mxfp8 row", dict(TWO_DOTS=True)),
-                         ("mxfp8 row", dict(BLOCK_K=128, num_stages=2)), ("mxfp8 row", dict(GROUP_M=4)),
-                         ("mxfp8 row", dict(EMULATED=True)), ("mxfp8 row+col", dict(FLATTEN=False)),
+            variants += [("mxfp8 row", dict(FLATTEN=False)), ("mxfp8 row", dict(BLOCK_K=128, num_stages=2)),
+                         ("mxfp8 row", dict(GROUP_M=4)), ("mxfp8 row+col", dict(FLATTEN=False)),
                          ("bf16", dict(FLATTEN=False))]
         ok &= run_variants(T, variants, dev, table)
 

@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 os.environ.pop("TRITON_INTERPRET", None)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-KEEP = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "F2FP", "FMUL", "FMNMX", "LDL", "STL")
+KEEP = ("LDG", "STG", "LDS", "STS", "BAR", "SHFL", "F2FP", "FMUL", "FMNMX", "LDL", "STL", "HGMMA", "QGMMA")
 
 
 def stats(fn, sig: dict, constexprs: dict, aligned: tuple = (), **options) -> dict:

@@ -8,6 +8,7 @@ does not count (CUDA-graph capture).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -43,10 +44,11 @@ def main() -> None:
     for T in args.T:
         a = torch.randn(T, K, device=dev).to(torch.bfloat16)
         c, s = torch.randn(T, R // 2, device=dev), torch.randn(T, R // 2, device=dev)
-        base = qg.qproj_gemm_fwd(a, wp, c, s, cfg, TMA_STORE=False)
+        configs = {tma: dataclasses.replace(qg.default_config(T, dev, cfg), TMA_STORE=tma) for tma in (False, True)}
+        base = qg.qproj_gemm_fwd(a, wp, c, s, cfg, config=configs[False])
         for tma in (False, True):
-            def fn(tma=tma, a=a, c=c, s=s):
-                return qg.qproj_gemm_fwd(a, wp, c, s, cfg, TMA_STORE=tma)
+            def fn(a=a, c=c, s=s, config=configs[tma]):
+                return qg.qproj_gemm_fwd(a, wp, c, s, cfg, config=config)
 
             out = fn()
             same = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(out, base, strict=True)

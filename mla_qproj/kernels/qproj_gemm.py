@@ -7,7 +7,8 @@ Per head, columns [0, P) and [P + R, D) pass through and the R rope columns hold
 a' = a·c - b·s, b' = b·c + a·s (SPEC §3), on the fp32 accumulator.
 
 The kernel never shuffles the accumulator to find a pair's partner. `prepare_fused_weight` permutes W's rows
-once (an exact re-arrangement) into tiles of BLOCK_N = 256 rows, each tile two halves of HB = 128 rows:
+once (an exact re-arrangement) into tiles of BLOCK_N = 256 rows, each tile two halves of HB = HALF_N = 128 rows
+(the half width is a constexpr of the kernel, fixed at 128 on the host: it is W' layout's parameter):
 - pass-through tiles: any 2·HB pass-through output columns (in runs of SEG contiguous output columns);
 - rope tiles: the "a" member of HB pairs in the low half and the matching "b" members in the high half.
 A program computes acc = A·W'ᵀ for one [BLOCK_M, 2·HB] tile (one 256-wide wgmma) and splits it into the halves
@@ -20,8 +21,18 @@ elementwise, rounded like the reference (FMA contraction off). Each half is stor
   halves of an output MX block).
 Columnwise MXFP8 blocks are 32 rows of one column: a [BLOCK_M // 32, 32, HB] reduction in the tile.
 
+Block-scaled FP8 operands (SPEC §5, the `OPERANDS="fp8_block"` main loop; the epilogue is the same): A = the E4M3
+codes of xn's 1x128 blocks along K with fp32 scale_inv [K/128, T], W' = the codes of W's 128x128 tiles in the same
+row order (each tile's quarters reordered so that a warpgroup owning half of the tile's columns holds whole pairs:
+`fused_row_source(cfg, "fp8_block")`) with a per-row scale_inv [K/128, rows] (`prepare_fused_weight_fp8`). Per
+128-wide K block one fp8 dot (the tensor core's own accumulation over the block's 128 products) is promoted into
+the fp32 accumulator with the block's scales, acc = fma(dot, sa·sw, acc): DeepSeek-V3's recipe.
+
 The kernel is persistent (one program per SM, GROUP_M-swizzled tile order) and reads A and W' through tensor
-descriptors (TMA on sm_90; the interpreter emulates them, zero-filling out-of-bounds rows like TMA does).
+descriptors (TMA on sm_90; the interpreter emulates them, zero-filling out-of-bounds rows like TMA does). Its launch
+parameters are a `GemmConfig`; `default_config` picks them per operand kind by device and T bucket. Every config
+gives the same bytes (fp8 on the GPU: as long as the tensor core's rounding inside a block does not depend on the
+MMA instruction shape, which BLOCK_M and num_warps choose; `tools/gemm_fp8_probe.py` compares).
 Under TRITON_INTERPRET=1 the same kernel runs with three switches: the dot on fp32 upcasts (the interpreter
 multiplies bf16 bit patterns as integers), a while loop over tiles (its range() rejects tensor bounds under
 numpy 2) and EMULATED rounding (explicit RNE to E4M3 / bf16 and a NaN-ignoring amax; its casts mis-round).
@@ -29,6 +40,7 @@ numpy 2) and EMULATED rounding (explicit RNE to E4M3 / bf16 and a NaN-ignoring a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -40,14 +52,18 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._config import QProjConfig, interpreter_enabled
 from ._common import amax_nan_ignoring, cdiv, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16, widen
 
-BLOCK_N = 256  # default rows of W' per tile (two halves of HALF_N); W' is laid out per tile: `prepare_fused_weight(hb)`
+BLOCK_N = 256  # rows of W' per tile: two halves of HALF_N (W' is laid out per tile by `prepare_fused_weight`)
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
 # (encoded on the host at every launch) cost more than the faster stores save
 TMA_STORE_MIN_T = 8192
 HALF_N = BLOCK_N // 2
 _MX = 32
+FP8_BLOCK = 128  # SPEC §5: 1x128 blocks of A along K, 128x128 tiles of W
+OPERANDS = ("bf16", "fp8_block")
 
-__all__ = ["fused_gemm_supported", "prepare_fused_weight", "qproj_gemm_fwd", "fused_layout", "tma_store_supported"]
+__all__ = ["GemmConfig", "default_config", "fused_gemm_supported", "fused_layout", "fused_row_source",
+           "prepare_fused_weight", "prepare_fused_weight_fp8", "qproj_gemm_fwd", "qproj_gemm_outputs",
+           "tma_store_supported"]
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -77,30 +93,31 @@ def fused_gemm_supported(cfg: QProjConfig) -> bool:
     return P % _MX == 0 and RH % (16 if cfg.rope_style == "gptj" else _MX) == 0
 
 
-def tma_store_supported(cfg: QProjConfig, hb: int = HALF_N) -> bool:
-    """Output halves are boxes of the [T, H, D] output: P % hb == 0, no trailing pass-through, hb % (R/2) == 0,
-    rows of >= 16 bytes (TMA); deepseek / neox only (gptj interleaves the two halves in the output)."""
+def tma_store_supported(cfg: QProjConfig) -> bool:
+    """Output halves are boxes of the [T, H, D] output: P % HALF_N == 0, no trailing pass-through,
+    HALF_N % (R/2) == 0, rows of >= 16 bytes (TMA); deepseek / neox only (gptj interleaves the two halves)."""
+    hb = HALF_N
     P, R, D, RH = cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_dim // 2
     elem = 1 if cfg.output_format == "mxfp8" else 2
     return (fused_gemm_supported(cfg) and cfg.rope_style != "gptj" and P % hb == 0 and D == P + R
             and hb % RH == 0 and RH * elem >= 16 and (D * elem) % 16 == 0)
 
 
-@functools.lru_cache(maxsize=64)
-def fused_layout(cfg: QProjConfig, hb: int = HALF_N) -> tuple[int, int, int]:
-    """(pass-through tiles, rope tiles, rows of W') of the kernel's column order with tiles of 2·hb rows."""
-    H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
+def fused_layout(cfg: QProjConfig) -> tuple[int, int, int]:
+    """(pass-through tiles, rope tiles, rows of W') of the kernel's column order with tiles of BLOCK_N rows.
+    Plain arithmetic, no cache: `prepare_fused_weight` runs inside the layer's graph under torch.compile."""
+    H, D, R, hb = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim, HALF_N
     nt_pass = cdiv(H * (D - R), 2 * hb)
     nt_rope = cdiv(H * (R // 2), hb)
     return nt_pass, nt_rope, (nt_pass + nt_rope) * 2 * hb
 
 
-def _column_maps(cfg: QProjConfig, hb: int = HALF_N) -> tuple[torch.Tensor, torch.Tensor]:
+def _column_maps(cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Host twin of the kernel's column maps: for every row of W' (= kernel column), the source row of W and
     the output column it lands on after RoPE; -1 for padding. Used by `prepare_fused_weight` and the tests."""
-    H, D, P, R = cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim
+    H, D, P, R, hb = cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim, HALF_N
     RH, PW = R // 2, D - R
-    nt_pass, nt_rope, n_rows = fused_layout(cfg, hb)
+    nt_pass, nt_rope, n_rows = fused_layout(cfg)
     j = torch.arange(hb)
     src, out = [], []
     for n in range(nt_pass):
@@ -133,18 +150,66 @@ def _column_maps(cfg: QProjConfig, hb: int = HALF_N) -> tuple[torch.Tensor, torc
     return torch.cat(src), torch.cat(out)
 
 
-def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig, hb: int = HALF_N) -> torch.Tensor:
+def fused_row_source(cfg: QProjConfig, operands: str = "bf16") -> torch.Tensor:
+    """int64 [rows of W']: the row of W that each row of W' comes from, -1 for padding: the permutation
+    `prepare_fused_weight` ("bf16") / `prepare_fused_weight_fp8` ("fp8_block") applies; a caller may compute it
+    once per layer and pass it as `src`. "bf16": row r of W' is kernel column r (`_column_maps`). "fp8_block": the
+    same rows with each tile's quarters reordered [lo 0:64, hi 0:64, lo 64:128, hi 64:128], so that a warpgroup
+    owning half of a tile's columns holds both members of its pairs (see `_mainloop`)."""
+    src = _column_maps(cfg)[0]
+    if operands == "bf16":
+        return src
+    if operands != "fp8_block":
+        raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+    q = HALF_N // 2  # [tiles, half, quarter, q] -> [tiles, quarter, half, q]
+    return src.reshape(-1, 2, 2, q).transpose(1, 2).reshape(-1)
+
+
+def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig, src: torch.Tensor | None = None) -> torch.Tensor:
     """W [H·D, K] bf16 -> W' [rows, K] bf16 in the kernel's column order (an exact row permutation, zero rows as
-    padding) with tiles of 2·hb rows. Call once per weight version; the result only feeds `qproj_gemm_fwd` with
-    the same cfg (and the same HB launch knob, default `HALF_N`)."""
+    padding). Call once per weight version; the result only feeds `qproj_gemm_fwd` with the same cfg.
+    src: `fused_row_source(cfg)` if already computed (any device)."""
     if not isinstance(w_bf16, torch.Tensor) or w_bf16.dtype != torch.bfloat16:
         raise TypeError(f"w_bf16 must be a bfloat16 tensor, got {getattr(w_bf16, 'dtype', type(w_bf16))}")
     if w_bf16.shape != (cfg.out_features, cfg.q_lora_rank):
         raise ValueError(f"w_bf16 must have shape {(cfg.out_features, cfg.q_lora_rank)}, got {tuple(w_bf16.shape)}")
-    src, _ = _column_maps(cfg, hb)
-    src = src.to(w_bf16.device)
+    src = (fused_row_source(cfg) if src is None else src).to(w_bf16.device)
     w = torch.cat([w_bf16, w_bf16.new_zeros(1, w_bf16.shape[1])])  # row -1 -> the zero row
     return w[src].contiguous()
+
+
+def prepare_fused_weight_fp8(w_data: torch.Tensor, w_scale_inv: torch.Tensor, cfg: QProjConfig,
+                             src: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W's 128x128-tile FP8 codes (SPEC §5) -> the kernel's operand: (W' codes, W' scale_inv), exact.
+
+    Args:
+        w_data: float8_e4m3fn [H·D, K] codes of W; w_scale_inv: float32 [ceil(H·D / 128), K / 128] tile scale_inv.
+        src: `fused_row_source(cfg, "fp8_block")` if already computed (any device).
+    Returns:
+        W' float8_e4m3fn [rows, K]: row r is W's row src(r) (code 0 for padding rows); its scale_inv float32
+        [K / 128, rows] (K-block major: the kernel loads one [2·HB] row slice per K block): element [kb, r] is
+        w_scale_inv[src(r) // 128, kb], 0 for padding rows.
+    """
+    N, K = cfg.out_features, cfg.q_lora_rank
+    if not isinstance(w_data, torch.Tensor) or w_data.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"w_data must be a float8_e4m3fn tensor, got {getattr(w_data, 'dtype', type(w_data))}")
+    if not isinstance(w_scale_inv, torch.Tensor) or w_scale_inv.dtype != torch.float32:
+        raise TypeError(f"w_scale_inv must be a float32 tensor, got {getattr(w_scale_inv, 'dtype', type(w_scale_inv))}")
+    if K % FP8_BLOCK:
+        raise ValueError(f"q_lora_rank must be a multiple of {FP8_BLOCK} for fp8_block operands, got {K}")
+    if tuple(w_data.shape) != (N, K):
+        raise ValueError(f"w_data must have shape {(N, K)}, got {tuple(w_data.shape)}")
+    if tuple(w_scale_inv.shape) != (cdiv(N, FP8_BLOCK), K // FP8_BLOCK):
+        raise ValueError(f"w_scale_inv must have shape {(cdiv(N, FP8_BLOCK), K // FP8_BLOCK)}, got "
+                         f"{tuple(w_scale_inv.shape)}")
+    if w_scale_inv.device != w_data.device:
+        raise ValueError(f"w_scale_inv is on {w_scale_inv.device}, w_data on {w_data.device}")
+    src = (fused_row_source(cfg, "fp8_block") if src is None else src).to(w_data.device)
+    codes = w_data.view(torch.uint8)  # index the bytes: exact, and fp8 indexing is not on every device
+    codes = torch.cat([codes, codes.new_zeros(1, K)])[src]  # row -1 -> the zero row
+    sinv = torch.cat([w_scale_inv, w_scale_inv.new_zeros(1, K // FP8_BLOCK)])
+    sinv = sinv[torch.where(src >= 0, src // FP8_BLOCK, -1)]  # [rows, K / 128]; padding -> the zero row
+    return codes.view(torch.float8_e4m3fn).contiguous(), sinv.t().contiguous()
 
 
 # ----------------------------------------------------------------------------------------------- kernel
@@ -273,38 +338,69 @@ def _tile_coords(tile, num_m, NT_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mainloop(a_desc, w_desc, i_m, i_n, K: tl.constexpr, BLOCK_M: tl.constexpr, HB: tl.constexpr,
-              BLOCK_K: tl.constexpr, TWO_DOTS: tl.constexpr, DOT_F32: tl.constexpr):
-    """(lo, hi) = A[i_m] · W'[i_n]ᵀ, the two [BLOCK_M, HB] halves, fp32."""
+def _e4m3_to_f32(b_q):
+    """E4M3 codes -> their fp32 values (exact) under the interpreter, whose cast decodes the NaN codes 0x7F / 0xFF
+    as ±480."""
+    b_v = b_q.to(tl.float32)
+    return tl.where((b_q.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), b_v)
+
+
+@triton.jit
+def _mainloop(a_desc, w_desc, sa_ptr, sw_ptr, i_m, i_n, T, K: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK_M: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, OPERANDS: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """(lo, hi) = A[i_m] · W'[i_n]ᵀ, the two [BLOCK_M, HB] halves, fp32: one [BLOCK_M, 2·HB] dot split in registers.
+
+    OPERANDS "bf16": A, W' bf16, one fp32 accumulation over K. "fp8_block" (SPEC §5, DeepSeek-V3's recipe): A, W'
+    E4M3 codes in 128-wide K blocks with fp32 scale_inv sa [K/128, T] (per token) and sw [K/128, ROWS] (per W' row);
+    each block's dot is promoted to the fp32 accumulator with its scales: acc = fma(A_kb·W'_kbᵀ, sa·sw, acc)."""
     o_am = i_m * BLOCK_M
     o_wn = i_n * (2 * HB)
-    if TWO_DOTS:
-        b_lo = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
-        b_hi = tl.zeros([BLOCK_M, HB], dtype=tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_M, 2 * HB], dtype=tl.float32)
-    for i_k in range((K + BLOCK_K - 1) // BLOCK_K):
-        o_k = i_k * BLOCK_K
-        b_a = a_desc.load([o_am, o_k])  # [BLOCK_M, BLOCK_K]
-        if DOT_F32:  # the interpreter multiplies bf16 as integers: upcast (exact) and use an ieee fp32 dot
-            b_a = widen(b_a, True)
-        if TWO_DOTS:
-            b_wl = w_desc.load([o_wn, o_k])  # [HB, BLOCK_K]
-            b_wh = w_desc.load([o_wn + HB, o_k])  # [HB, BLOCK_K]
-            if DOT_F32:
-                b_lo = tl.dot(b_a, widen(b_wl, True).T, b_lo, input_precision="ieee")
-                b_hi = tl.dot(b_a, widen(b_wh, True).T, b_hi, input_precision="ieee")
-            else:
-                b_lo = tl.dot(b_a, b_wl.T, b_lo)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, HB]
-                b_hi = tl.dot(b_a, b_wh.T, b_hi)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, HB]
-        else:
+    b_acc = tl.zeros([BLOCK_M, 2 * HB], dtype=tl.float32)
+    if OPERANDS == "bf16":
+        for i_k in range((K + BLOCK_K - 1) // BLOCK_K):
+            o_k = i_k * BLOCK_K
+            b_a = a_desc.load([o_am, o_k])  # [BLOCK_M, BLOCK_K]
             b_w = w_desc.load([o_wn, o_k])  # [2 * HB, BLOCK_K]
-            if DOT_F32:
-                b_acc = tl.dot(b_a, widen(b_w, True).T, b_acc, input_precision="ieee")
+            if DOT_F32:  # the interpreter multiplies bf16 as integers: upcast (exact) and use an ieee fp32 dot
+                b_acc = tl.dot(widen(b_a, True), widen(b_w, True).T, b_acc, input_precision="ieee")
             else:
                 b_acc = tl.dot(b_a, b_w.T, b_acc)  # [BLOCK_M, BLOCK_K] @ [BLOCK_K, 2 * HB]
-    if not TWO_DOTS:
         b_lo, b_hi = tl.split(tl.permute(tl.reshape(b_acc, [BLOCK_M, 2, HB]), (0, 2, 1)))
+    else:
+        tl.static_assert(OPERANDS == "fp8_block")
+        tl.static_assert(BLOCK_K == 128)  # one scale block per step (SPEC §5: 1x128 and 128x128 blocks)
+        NK: tl.constexpr = K // BLOCK_K
+        o_m = i_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] token rows
+        m_m = o_m < T
+        p_sa = sa_ptr + o_m  # [BLOCK_M] scale_inv of K block 0; the next block's is T further on
+        p_sw = sw_ptr + i_n.to(tl.int64) * (2 * HB) + tl.arange(0, 2 * HB)  # [2 * HB]; next block ROWS further
+        # the scales are loaded one block ahead: Triton's pipeliner only prefetches loads that feed a dot, so this
+        # hides their latency behind the current block's MMAs by hand
+        b_sa_n = tl.load(p_sa, mask=m_m, other=0.0)  # [BLOCK_M] fp32
+        b_sw_n = tl.load(p_sw)  # [2 * HB] fp32 (padding rows of W' have scale 0)
+        for i_k in range(NK):
+            o_k = i_k * BLOCK_K
+            b_a = a_desc.load([o_am, o_k])  # [BLOCK_M, BLOCK_K] e4m3
+            b_w = w_desc.load([o_wn, o_k])  # [2 * HB, BLOCK_K] e4m3
+            b_sa, b_sw = b_sa_n, b_sw_n
+            p_sa += T
+            p_sw += ROWS
+            b_sa_n = tl.load(p_sa, mask=m_m & (i_k + 1 < NK), other=0.0)  # [BLOCK_M] next block's (or 0 past K)
+            b_sw_n = tl.load(p_sw, mask=i_k + 1 < NK, other=0.0)  # [2 * HB]
+            if DOT_F32:  # interpreter: exact fp32 images of the codes, ieee fp32 dot
+                b_d = tl.dot(_e4m3_to_f32(b_a), _e4m3_to_f32(b_w).T, input_precision="ieee")
+            else:
+                # the tensor core's fp8 accumulation over this block's 128 products, no promotion inside the dot
+                # (max_num_imprecise_acc = BLOCK_K): the promotion is the fma below, once per block (DeepSeek-V3)
+                b_d = tl.dot(b_a, b_w.T, max_num_imprecise_acc=BLOCK_K)  # [BLOCK_M, 128] @ [128, 2 * HB]
+            b_acc = tl.fma(b_d, b_sa[:, None] * b_sw[None, :], b_acc)
+        # W' tile rows are [lo 0:HB/2, hi 0:HB/2, lo HB/2:HB, hi HB/2:HB] (`fused_row_source(cfg, "fp8_block")`):
+        # when the two warpgroups split the tile along N, each holds both members of its pairs, so this split is a
+        # register renaming too (the bf16 order would move the [BLOCK_M, 2·HB] tile through shared memory)
+        b_lo, b_hi = tl.split(tl.permute(tl.reshape(b_acc, [BLOCK_M, 2, 2, HB // 2]), (0, 1, 3, 2)))
+        b_lo = tl.reshape(b_lo, [BLOCK_M, HB])  # [BLOCK_M, 2, HB / 2] -> pairs in order
+        b_hi = tl.reshape(b_hi, [BLOCK_M, HB])
     return b_lo, b_hi
 
 
@@ -365,7 +461,8 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
 
 @triton.jit(launch_metadata=_launch_metadata)
 def _qproj_gemm_fwd_kernel(
-    a_desc, w_desc,  # [T, K] bf16 ; [(NT_PASS + NT_ROPE) * 2 * HB, K] bf16 (W' rows = kernel columns)
+    a_desc, w_desc,  # [T, K] ; [ROWS = (NT_PASS + NT_ROPE) * 2 * HB, K] (W' rows = kernel columns): bf16 or e4m3
+    sa_ptr, sw_ptr,  # fp8_block: fp32 scale_inv of A [K/128, T] and of W' [K/128, ROWS] (bf16: None)
     cos_ptr, sin_ptr, stride_cs,  # [T, R // 2] fp32 / bf16 / fp16 pair tables, unit inner stride, row stride
     y_ptr, rs_ptr, cd_ptr, cs_ptr,  # outputs: bf16 y [T, H, D] | fp8 row data, row scale, col data, col scale
     yd_pass, yd_rope, cd_pass, cd_rope,  # TMA_STORE: descriptors of y / col data viewed [T, H, D] (else None)
@@ -375,12 +472,13 @@ def _qproj_gemm_fwd_kernel(
     OUT_FORMAT: tl.constexpr, COLWISE: tl.constexpr, SCALE_MODE: tl.constexpr,
     NT_PASS: tl.constexpr, NT_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, HB: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-    TWO_DOTS: tl.constexpr, ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, DOT_F32: tl.constexpr,
-    FLATTEN: tl.constexpr, SERIAL_LOOP: tl.constexpr, EPILOGUE: tl.constexpr, TMA_STORE: tl.constexpr,
+    OPERANDS: tl.constexpr, ROPE_BCAST: tl.constexpr, EMULATED: tl.constexpr, DOT_F32: tl.constexpr,
+    FLATTEN: tl.constexpr, SERIAL_LOOP: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     """lo = A·W'_loᵀ, hi = A·W'_hiᵀ (fp32); rope tiles: lo' = lo·c - hi·s, hi' = hi·c + lo·s;
     then each half -> bf16 or MXFP8 (rowwise 32-blocks along each head's D, columnwise 32-blocks along T)."""
     NT_N: tl.constexpr = NT_PASS + NT_ROPE
+    ROWS: tl.constexpr = NT_N * 2 * HB
     i_sm = tl.program_id(0)
     num_m = tl.cdiv(T, BLOCK_M)
     num_tiles = num_m * NT_N
@@ -388,7 +486,8 @@ def _qproj_gemm_fwd_kernel(
         tile = i_sm
         while tile < num_tiles:
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
-            b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
+            b_lo, b_hi = _mainloop(a_desc, w_desc, sa_ptr, sw_ptr, i_m, i_n, T, K, ROWS, BLOCK_M, HB, BLOCK_K,
+                                   OPERANDS, DOT_F32)
             _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
                       yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
                       NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
@@ -397,19 +496,43 @@ def _qproj_gemm_fwd_kernel(
         tile_c = i_sm - NUM_SMS  # the epilogue's own counter: the next tile's loads can be hoisted over it
         for tile in tl.range(i_sm, num_tiles, NUM_SMS, flatten=FLATTEN):
             i_m, i_n = _tile_coords(tile, num_m, NT_N, GROUP_M)
-            b_lo, b_hi = _mainloop(a_desc, w_desc, i_m, i_n, K, BLOCK_M, HB, BLOCK_K, TWO_DOTS, DOT_F32)
+            b_lo, b_hi = _mainloop(a_desc, w_desc, sa_ptr, sw_ptr, i_m, i_n, T, K, ROWS, BLOCK_M, HB, BLOCK_K,
+                                   OPERANDS, DOT_F32)
             tile_c += NUM_SMS
             i_m, i_n = _tile_coords(tile_c, num_m, NT_N, GROUP_M)
-            if EPILOGUE:
-                _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
-                          yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
-                          NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
-            elif T < 0:  # benchmark knob EPILOGUE=False: the GEMM alone (never stores, but keeps the dots alive)
-                tl.store(y_ptr + tl.arange(0, HB), (b_lo + b_hi).reshape(BLOCK_M, HB).max(axis=0).to(
-                    y_ptr.dtype.element_ty))
+            _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd_pass,
+                      yd_rope, cd_pass, cd_rope, T, H, D, P, R, STYLE, PAIRED, SEG, OUT_FORMAT, COLWISE, SCALE_MODE,
+                      NT_PASS, BLOCK_M, HB, ROPE_BCAST, EMULATED, TMA_STORE)
 
 
 # --------------------------------------------------------------------------------------------- launcher
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Launch parameters of the fused GEMM; every config gives the same bytes (fp8 on the GPU: see the module
+    docstring). Upper-case fields are the kernel's constexprs, lower-case ones Triton's launch options. Start from
+    `default_config` and `dataclasses.replace` it.
+
+    BLOCK_M: token rows per tile (a tile is [BLOCK_M, BLOCK_N] of the output); BLOCK_K: K per main-loop step
+    (128 for fp8_block operands: one scale block);
+    GROUP_M: row blocks per L2 swizzle group; NUM_SMS: persistent programs (at most one per tile);
+    FLATTEN: flatten the persistent loop (`tl.range(flatten=...)`; Triton 3.6 rejects it with bf16 TMA stores);
+    TMA_STORE: store the outputs through tensor descriptors (`tma_store_supported` geometries only);
+    ROPE_BCAST: load a rope tile's pair tables as [BLOCK_M, R/2] and broadcast them (needs R/2 a power of two
+    dividing HALF_N), else gather [BLOCK_M, HALF_N]; maxnreg: register cap per thread (None: Triton's choice).
+    """
+
+    BLOCK_M: int
+    BLOCK_K: int
+    GROUP_M: int
+    NUM_SMS: int
+    num_warps: int
+    num_stages: int
+    FLATTEN: bool = True
+    TMA_STORE: bool = False
+    ROPE_BCAST: bool = False
+    maxnreg: int | None = None
 
 
 @functools.lru_cache(maxsize=8)
@@ -417,130 +540,207 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_config(T: int, device: torch.device) -> dict:
-    """Fixed configs keyed on a T bucket (autotuning costs seconds per config). The tile width (2·HB) is W' layout's."""
+def _rope_bcast_ok(cfg: QProjConfig) -> bool:
+    RH = cfg.rope_dim // 2
+    return HALF_N % RH == 0 and (RH & (RH - 1)) == 0
+
+
+def _geometry_config(T: int, device: torch.device, cfg: QProjConfig, **tiles) -> GemmConfig:
+    """tiles + what the geometry decides: ROPE_BCAST where possible; on the GPU, TMA_STORE from TMA_STORE_MIN_T
+    tokens where supported, and FLATTEN unless that would meet bf16 TMA stores (Triton 3.6 rejects the pair)."""
+    bcast = _rope_bcast_ok(cfg)
+    if device.type != "cuda":
+        return GemmConfig(**tiles, ROPE_BCAST=bcast)
+    tma = T >= TMA_STORE_MIN_T and tma_store_supported(cfg)
+    flatten = not (tma and cfg.output_format == "bf16")
+    return GemmConfig(**tiles, NUM_SMS=_num_sms(device.index or 0), FLATTEN=flatten, TMA_STORE=tma, ROPE_BCAST=bcast)
+
+
+def _default_config_bf16(T: int, device: torch.device, cfg: QProjConfig) -> GemmConfig:
+    """Measured on an H200 at T = 16384 (figures in BENCHMARKS.md): one [BLOCK_M, 256] dot split in registers beats
+    two [BLOCK_M, 128] dots sharing A; the flattened persistent loop beats the plain one; broadcasting the
+    [BLOCK_M, R/2] pair table beats gathering [BLOCK_M, 128] (which spills); TMA stores beat pointer stores at
+    large T."""
     if device.type != "cuda":  # interpreter: small tiles keep the CPU emulation quick and exercise edges
-        return dict(BLOCK_M=32, BLOCK_K=32, GROUP_M=2, NUM_SMS=3, num_warps=4, num_stages=1)
+        return _geometry_config(T, device, cfg, BLOCK_M=32, BLOCK_K=32, GROUP_M=2, NUM_SMS=3, num_warps=4,
+                                num_stages=1)
     if T <= 64:
-        return dict(BLOCK_M=64, BLOCK_K=64, GROUP_M=8, NUM_SMS=_num_sms(device.index or 0), num_warps=4,
-                    num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_K=64, GROUP_M=8, NUM_SMS=_num_sms(device.index or 0), num_warps=8,
-                num_stages=3)
+        return _geometry_config(T, device, cfg, BLOCK_M=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return _geometry_config(T, device, cfg, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
-def _check_inputs(a, w_prepared, cos_h, sin_h, cfg, hb):
+def _default_config_fp8(T: int, device: torch.device, cfg: QProjConfig) -> GemmConfig:
+    """BLOCK_K = 128: one scale block per step. [64, 256] tiles with 8 warps (two warpgroups side by side along N):
+    each thread holds 64 registers of the accumulator plus 64 of the block's dot result; a [128, 256] tile doubles
+    both and spills (sm_90 offline compile: `tools/gemm_fp8_probe.py --offline`). 4 stages of 40 KB (A 8 KB + W'
+    32 KB) fit next to the epilogue's buffers."""
+    if device.type != "cuda":
+        return _geometry_config(T, device, cfg, BLOCK_M=32, BLOCK_K=128, GROUP_M=2, NUM_SMS=3, num_warps=4,
+                                num_stages=1)
+    return _geometry_config(T, device, cfg, BLOCK_M=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
+
+
+# default configs by (operands, cfg, device, T buckets): building one costs several microseconds of the launch's
+# host time. Only the launcher (inside the custom ops, never traced by dynamo) and scripts call default_config.
+_DEFAULT_CONFIGS: dict[tuple, GemmConfig] = {}
+
+
+def default_config(T: int, device: torch.device, cfg: QProjConfig, operands: str = "bf16") -> GemmConfig:
+    """The launch config `qproj_gemm_fwd` uses for T tokens on device: fixed configs per operand kind (the kernel
+    variant), keyed on the device and a T bucket (autotuning costs seconds per config)."""
+    key = (operands, cfg, device, T <= 64, T >= TMA_STORE_MIN_T)  # every T bucket the choosers use
+    config = _DEFAULT_CONFIGS.get(key)
+    if config is None:
+        if operands == "bf16":
+            config = _default_config_bf16(T, device, cfg)
+        elif operands == "fp8_block":
+            config = _default_config_fp8(T, device, cfg)
+        else:
+            raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+        _DEFAULT_CONFIGS[key] = config
+    return config
+
+
+def _check_config(config: GemmConfig, cfg: QProjConfig, operands: str) -> None:
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be a GemmConfig, got {type(config).__name__}")
+    if config.TMA_STORE and not tma_store_supported(cfg):
+        raise ValueError(f"config.TMA_STORE does not cover this geometry: {cfg}")
+    if config.ROPE_BCAST and not _rope_bcast_ok(cfg):
+        raise ValueError(f"config.ROPE_BCAST needs R/2 a power of two dividing {HALF_N}, got R = {cfg.rope_dim}")
+    if operands == "fp8_block" and config.BLOCK_K != FP8_BLOCK:
+        raise ValueError(f"config.BLOCK_K must be {FP8_BLOCK} for fp8_block operands, got {config.BLOCK_K}")
+
+
+def _check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device, hint: str = "") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, a on {device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}{hint}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_inputs(a, w_prepared, cos_h, sin_h, cfg, a_scale_inv, w_scale_inv):
     if not isinstance(cfg, QProjConfig):
         raise TypeError(f"cfg must be a QProjConfig, got {type(cfg).__name__}")
     if not fused_gemm_supported(cfg):
         raise ValueError(f"qproj_gemm_fwd does not cover this geometry: {cfg}")
-    for name, t in (("a", a), ("w_prepared", w_prepared), ("cos_h", cos_h), ("sin_h", sin_h)):
+    if not isinstance(a, torch.Tensor):
+        raise TypeError(f"a must be a tensor, got {type(a).__name__}")
+    fp8 = a_scale_inv is not None or w_scale_inv is not None
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    K, rows = cfg.q_lora_rank, fused_layout(cfg)[2]
+    if a.dim() != 2:
+        raise ValueError(f"a must be [T, {K}], got {tuple(a.shape)}")
+    T = a.shape[0]
+    _check_tensor("a", a, dtype, (T, K), a.device)
+    w_hint = " (from prepare_fused_weight_fp8)" if fp8 else " (from prepare_fused_weight)"
+    _check_tensor("w_prepared", w_prepared, dtype, (rows, K), a.device, w_hint)
+    if fp8:
+        if K % FP8_BLOCK:
+            raise ValueError(f"q_lora_rank must be a multiple of {FP8_BLOCK} for fp8_block operands, got {K}")
+        _check_tensor("a_scale_inv", a_scale_inv, torch.float32, (K // FP8_BLOCK, T), a.device, " ([K/128, T])")
+        _check_tensor("w_scale_inv", w_scale_inv, torch.float32, (K // FP8_BLOCK, rows), a.device, w_hint)
+    for name, t in (("cos_h", cos_h), ("sin_h", sin_h)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
         if t.device != a.device:
             raise ValueError(f"{name} is on {t.device}, a on {a.device}")
-    for name, t in (("a", a), ("w_prepared", w_prepared)):
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"{name} must be {torch.bfloat16}, got {t.dtype}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
     check_pair_tables(cos_h, sin_h)
-    T, K = a.shape if a.dim() == 2 else (None, None)
-    if a.dim() != 2 or K != cfg.q_lora_rank:
-        raise ValueError(f"a must be [T, {cfg.q_lora_rank}], got {tuple(a.shape)}")
-    rows = fused_layout(cfg, hb)[2]
-    if tuple(w_prepared.shape) != (rows, K):
-        raise ValueError(f"w_prepared must be [{rows}, {K}] (from prepare_fused_weight), got {tuple(w_prepared.shape)}")
     for name, t in (("cos_h", cos_h), ("sin_h", sin_h)):
         if tuple(t.shape) != (T, cfg.rope_dim // 2):
             raise ValueError(f"{name} must be [T, R/2] = {(T, cfg.rope_dim // 2)}, got {tuple(t.shape)}")
 
 
+def qproj_gemm_outputs(T: int, cfg: QProjConfig, like: torch.Tensor) -> tuple:
+    """The launcher's outputs, allocated on like's device (also the custom op's fake implementation):
+    bf16 out: (y bf16 [T, H, D],); mxfp8: (row data fp8 [T, H, D], row scale uint8 [T, H, D/32],
+    col data fp8 [T, H, D] or None, col scale uint8 [ceil(T/32), H, D] or None)."""
+    H, D, dev = cfg.num_heads, cfg.q_head_dim, like.device
+    if cfg.output_format == "bf16":
+        return (torch.empty((T, H, D), dtype=torch.bfloat16, device=dev),)
+    rd = torch.empty((T, H, D), dtype=torch.float8_e4m3fn, device=dev)
+    rs = torch.empty((T, H, D // _MX), dtype=torch.uint8, device=dev)
+    cd = cs = None
+    if cfg.columnwise_output:
+        cd = torch.empty((T, H, D), dtype=torch.float8_e4m3fn, device=dev)
+        cs = torch.empty((cdiv(T, _MX), H, D), dtype=torch.uint8, device=dev)
+    return rd, rs, cd, cs
+
+
 def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor,
-                   cfg: QProjConfig, *, check: bool = True, **overrides) -> tuple:
+                   cfg: QProjConfig, *, a_scale_inv: torch.Tensor | None = None,
+                   w_scale_inv: torch.Tensor | None = None, check: bool = True,
+                   config: GemmConfig | None = None) -> tuple:
     """q = RoPE(a · Wᵀ) viewed [T, H, D], then quantized exactly as `reference.qproj.quantize_output`.
 
     Args:
-        a: [T, K] bf16, contiguous (exact image of the quantized input).
-        w_prepared: `prepare_fused_weight(W, cfg)`.
-        cos_h, sin_h: [T, R/2] fp32 contiguous pair tables.
+        a: [T, K] contiguous: bf16 (exact image of the quantized input), or with a_scale_inv the float8_e4m3fn codes
+            of its 1x128 blocks along K (SPEC §5; K % 128 == 0).
+        w_prepared: `prepare_fused_weight(W, cfg)` (bf16), or the codes from `prepare_fused_weight_fp8`.
+        cos_h, sin_h: [T, R/2] pair tables (`check_pair_tables`).
+        a_scale_inv: fp8_block only: float32 [K/128, T] contiguous, element [kb, t] the scale_inv of token t's
+            K block kb (M-major).
+        w_scale_inv: fp8_block only: the scale_inv from `prepare_fused_weight_fp8`, float32 [K/128, rows].
         check: validate the arguments (False: for a caller that built them itself, as the layer does; skips a few
             tens of microseconds of host work per call).
-        overrides: launch knobs for benchmarks and tests (BLOCK_M, BLOCK_K, GROUP_M, num_warps, num_stages,
-            TWO_DOTS, ROPE_BCAST, EMULATED, FLATTEN, EPILOGUE, TMA_STORE, maxnreg, NUM_SMS, HB); every
-            combination gives the same bytes (EPILOGUE=False skips the epilogue and leaves the outputs unwritten:
-            GEMM-only timing). HB (half-tile width, default `HALF_N`) must be the hb w_prepared was built with.
+        config: launch parameters (default: `default_config(T, a.device, cfg, operands)`); every config gives the
+            same bytes.
     Returns:
-        mxfp8: (row data fp8 [T, H, D], row scale uint8 [T, H, D/32], col data or None, col scale
-        uint8 [ceil(T/32), H, D] or None); bf16: (y bf16 [T, H, D],).
+        `qproj_gemm_outputs(T, cfg, a)`, written.
     """
-    hb = overrides.pop("HB", HALF_N)
     if check:
-        _check_inputs(a, w_prepared, cos_h, sin_h, cfg, hb)
+        _check_inputs(a, w_prepared, cos_h, sin_h, cfg, a_scale_inv, w_scale_inv)
+    operands = "bf16" if a_scale_inv is None else "fp8_block"
     T, K = a.shape
-    H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
-    dev = a.device
-    if cfg.output_format == "bf16":
-        y = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
-        rs = cd = cs = None
-        outs = (y,)
-    else:
-        y = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=dev)
-        rs = torch.empty(T, H, D // _MX, dtype=torch.uint8, device=dev)
-        cd = cs = None
-        if cfg.columnwise_output:
-            cd = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=dev)
-            cs = torch.empty(cdiv(T, _MX), H, D, dtype=torch.uint8, device=dev)
-        outs = (y, rs, cd, cs)
+    outs = qproj_gemm_outputs(T, cfg, a)
     if T == 0:
         return outs
-
+    dev = a.device
+    if config is None:
+        config = default_config(T, dev, cfg, operands)
+    else:
+        _check_config(config, cfg, operands)
     interp = interpreter_enabled()
-    conf = _pick_config(T, dev)
+    H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
     RH = R // 2
-    # Defaults measured on an H200 (2026-11-29, T = 16384, MXFP8 rowwise out; scripts/gemm_probe.py):
-    # one [BLOCK_M, 256] dot split in registers beats two [BLOCK_M, 128] dots sharing A (1.96 vs 2.44 ms);
-    # a flattened persistent loop beats the plain one (1.95 vs 2.01 ms); broadcasting the [BLOCK_M, R/2] pair
-    # table beats gathering [BLOCK_M, 128] (which spills: 3.3 ms); the hardware E4M3 cast and max.f32 beat the
-    # emulated rounding (2.34 ms) with identical bytes. GEMM alone (EPILOGUE=False): 1.64 ms.
-    # 2026-11-30 (scripts/gemm_probe.py --variants tma): storing the outputs through tensor descriptors (TMA_STORE)
-    # 1.93 vs 2.07 ms (MXFP8 rowwise), 1.86 vs 1.94 ms (bf16, unflattened loop), 2.68 vs 2.70 ms (row + col).
-    knobs = dict(TWO_DOTS=False, ROPE_BCAST=hb % RH == 0 and (RH & (RH - 1)) == 0,
-                 EMULATED=interp or dev.type != "cuda", FLATTEN=True, SERIAL_LOOP=interp,
-                 EPILOGUE=True, TMA_STORE=tma_store_supported(cfg, hb) and T >= TMA_STORE_MIN_T)
-    conf.update(knobs)
-    conf.update(overrides)
-    if conf["TMA_STORE"] and cfg.output_format == "bf16" and "FLATTEN" not in overrides:
-        conf["FLATTEN"] = False  # Triton 3.6's loop flattening rejects the bf16 descriptor stores
-    if not conf["EPILOGUE"]:  # Triton 3.6's loop-fusion pass rejects the flattened loop without the epilogue
-        conf["FLATTEN"] = False
-    nt_pass, nt_rope, _ = fused_layout(cfg, hb)
-    BLOCK_M, BLOCK_K = conf["BLOCK_M"], conf["BLOCK_K"]
+    y, rs, cd, cs = outs if len(outs) == 4 else (outs[0], None, None, None)
+    nt_pass, nt_rope, _ = fused_layout(cfg)
+    BLOCK_M, BLOCK_K = config.BLOCK_M, config.BLOCK_K
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K])
-    w_desc = TensorDescriptor.from_tensor(w_prepared, [hb if conf["TWO_DOTS"] else 2 * hb, BLOCK_K])
+    w_desc = TensorDescriptor.from_tensor(w_prepared, [BLOCK_N, BLOCK_K])
     num_tiles = cdiv(T, BLOCK_M) * (nt_pass + nt_rope)
-    num_sms = conf.pop("NUM_SMS")
 
     def grid(meta):
         return (min(meta["NUM_SMS"], num_tiles),)
 
     descs = dict(yd_pass=None, yd_rope=None, cd_pass=None, cd_rope=None)
-    if conf["TMA_STORE"]:
-        if not tma_store_supported(cfg, hb):
-            raise ValueError(f"TMA_STORE does not cover this geometry: {cfg}")
+    if config.TMA_STORE:
         P = cfg.qk_head_dim
         for name, t in (("yd", y), ("cd", cd)):
             if t is not None:
-                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, hb]) if P else None
-                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, hb // RH, RH])
+                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HALF_N]) if P else None
+                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HALF_N // RH, RH])
+    options = {} if config.maxnreg is None else dict(maxnreg=config.maxnreg)
     _qproj_gemm_fwd_kernel[grid](
-        a_desc=a_desc, w_desc=w_desc, cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0), **descs,
+        a_desc=a_desc, w_desc=w_desc, sa_ptr=a_scale_inv, sw_ptr=w_scale_inv, cos_ptr=cos_h, sin_ptr=sin_h,
+        stride_cs=cos_h.stride(0), **descs,
         y_ptr=y, rs_ptr=rs if rs is not None else y, cd_ptr=cd if cd is not None else y,
         cs_ptr=cs if cs is not None else y,
         T=T, K=K, H=H, D=D, P=cfg.qk_head_dim, R=R,
         STYLE=cfg.rope_style, PAIRED=_paired(cfg), SEG=_seg(cfg),
         OUT_FORMAT=cfg.output_format, COLWISE=cfg.columnwise_output, SCALE_MODE=cfg.scale_mode,
-        NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=hb, NUM_SMS=num_sms, DOT_F32=interp,
+        NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=HALF_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, GROUP_M=config.GROUP_M,
+        NUM_SMS=config.NUM_SMS, OPERANDS=operands, ROPE_BCAST=config.ROPE_BCAST,
+        EMULATED=interp or dev.type != "cuda", DOT_F32=interp, FLATTEN=config.FLATTEN, SERIAL_LOOP=interp,
+        TMA_STORE=config.TMA_STORE,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         enable_fp_fusion=False,  # a·c - b·s rounded as the reference rounds it (no FMA contraction)
-        **conf,
+        **options,
     )
     return outs
