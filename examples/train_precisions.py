@@ -6,9 +6,11 @@ up-projection, with the same seed (same initial weights) and the same data order
 
 Task (MQAR): a sequence lists `--pairs` key/value pairs `k1 v1 k2 v2 ...` (distinct keys from `--keys` tokens,
 values from `--values` tokens), then `--queries` of those keys again; at each query the model must predict the
-value that followed that key. Only the query positions are scored. No position-independent rule beats
-ln(--pairs) nats (a guess among the values in the context); getting below it needs attention from the query back
-to the matching key (an induction-style circuit over two layers), which the model finds only after a plateau.
+value that followed that key. Only the query positions are scored. Without attention from a query back to its key
+the best a model can do is guess among the values in the context, ln(--pairs) nats; below that it needs an
+induction-style circuit over two layers (a value position learns its key, the query finds it). At the default
+size the bf16 composition climbs to that guessing level (~30 % accuracy) in ~100 steps, stays there, and then
+solves the task: 90 % accuracy at step 244 (seeds 1 and 2: 219, 210), loss ~5e-3 at step 500.
 
 Model: token embedding -> L x [RMSNorm -> MLA attention -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm
 -> head. The attention follows DeepSeek-V3: the query is `q_b_proj(q_a_layernorm(q_a_proj(h)))` + RoPE on each
@@ -30,11 +32,16 @@ bf16 GEMM of the bf16-cast activation and weight, with a bf16 result), the fused
 around it (it takes the activation and the fp32 parameters and rounds as its precision says; under autocast its
 pure-PyTorch backend's fp32-accumulated GEMM would be cast to bf16 before RoPE). Both queries are bf16.
 
-    python examples/train_precisions.py                      # CPU, default size (a few minutes on 2 cores)
-    python examples/train_precisions.py --precisions composition,mxfp8 --steps 300
-    python examples/train_precisions.py --device cuda --steps 2000 --batch-size 256 --pairs 64 --queries 64 \
-        --keys 512 --values 512 --d-model 512 --layers 4 --heads 8 --q-lora-rank 384 --kv-lora-rank 256 \
-        --qk-nope-dim 64 --qk-rope-dim 32 --v-head-dim 64      # GPU: the Triton kernels, a bigger model
+    python examples/train_precisions.py                # CPU, default size: ~80 s for three precisions (2 cores)
+    python examples/train_precisions.py --precisions composition,mxfp8 --output-format mxfp8 \
+        --rope-input position_ids                      # an MXFP8 query (dequantized for SDPA), built-in RoPE tables
+    python examples/train_precisions.py --device cuda --steps 1500 --batch-size 256 --pairs 8 --queries 8 \
+        --keys 64 --values 64 --d-model 256 --heads 4 --q-lora-rank 256 --kv-lora-rank 128 --qk-nope-dim 64 \
+        --qk-rope-dim 32 --v-head-dim 64 --mlp-hidden 512   # GPU: the Triton kernels, a bigger model and task
+
+`--rope-input` picks what the fused layer gets: the model's cos/sin tables (default; the composition and the keys
+use them too) or `position_ids` (the layer's built-in tables). `--threads` defaults to 1: the default model's ops
+are too small for a second thread to pay, and on a busy machine it costs several times more than it gives.
 
 Writes `--out`/losses.json (config, per-step losses and accuracies, final numbers) and `--out`/loss.png (needs
 matplotlib; skipped with a message otherwise); prints a table of final losses. Exit status 0 when every requested
@@ -348,7 +355,7 @@ def plot(results: dict, cfg: Config, path: Path) -> bool:
         color = f"C{PRECISIONS.index(name)}"  # one color per precision in every figure
         ax_loss.plot(steps, r["losses"], label=r["label"], color=color, linewidth=1.2, alpha=0.85)
         ax_acc.plot(steps, r["accs"], label=r["label"], color=color, linewidth=1.2, alpha=0.85)
-        if base:
+        if base and r is not base:
             ratio = [a / b for a, b in zip(running_mean(r["losses"]), running_mean(base["losses"]), strict=True)]
             axes[2].plot(steps, ratio, label=r["label"], color=color, linewidth=1.2)
     ax_loss.axhline(math.log(cfg.pairs), color="gray", linestyle=":", linewidth=1,
@@ -362,9 +369,9 @@ def plot(results: dict, cfg: Config, path: Path) -> bool:
     ax_acc.set_ylim(0.0, 1.02)
     ax_acc.set_title("query accuracy (training batch)")
     if base:
-        axes[2].set_yscale("log")
+        axes[2].axhline(1.0, color=f"C{PRECISIONS.index('composition')}", linewidth=1, label=base["label"])
         axes[2].set_xlabel("training step")
-        axes[2].set_ylabel("loss / composition's loss (20-step running means)")
+        axes[2].set_ylabel("loss ratio to the composition (20-step running means)")
         axes[2].set_title(f"relative to the {base['label']}")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
@@ -409,25 +416,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compute-dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="the rest of the model (auto: bf16 autocast on CUDA, fp32 on the CPU)")
     p.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="the fused layer's backend (auto: Triton on CUDA, the PyTorch reference on CPU)")
-    p.add_argument("--batch-size", type=int, default=32)
+                   help="the fused layer's backend (auto: Triton on CUDA, the PyTorch reference on CPU unless "
+                        "TRITON_INTERPRET=1)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     p.add_argument("--pairs", type=int, default=4, help="key/value pairs per sequence")
     p.add_argument("--queries", type=int, default=4, help="queried keys per sequence (<= pairs)")
     p.add_argument("--keys", type=int, default=32, help="key vocabulary (>= pairs)")
     p.add_argument("--values", type=int, default=32, help="value vocabulary")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--q-lora-rank", type=int, default=128, help="K of the fused layer (fp8_block needs % 128)")
-    p.add_argument("--kv-lora-rank", type=int, default=32)
+    p.add_argument("--d-model", type=int, default=64, help="residual width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=2, help="attention heads")
+    p.add_argument("--q-lora-rank", type=int, default=128, help="the fused layer's K (fp8_block: K %% 128 == 0)")
+    p.add_argument("--kv-lora-rank", type=int, default=32, help="width of the key/value latent")
     p.add_argument("--qk-nope-dim", type=int, default=32, help="per-head query/key columns without RoPE")
     p.add_argument("--qk-rope-dim", type=int, default=32, help="per-head query/key RoPE columns")
-    p.add_argument("--v-head-dim", type=int, default=32)
-    p.add_argument("--mlp-hidden", type=int, default=128)
+    p.add_argument("--v-head-dim", type=int, default=32, help="per-head value width")
+    p.add_argument("--mlp-hidden", type=int, default=128, help="SwiGLU hidden width")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="on 2-D weights only")
-    p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches scored after training")
     p.add_argument("--log-every", type=int, default=100, help="print every N steps (0: never)")
     p.add_argument("--threads", type=int, default=1,

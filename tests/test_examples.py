@@ -119,7 +119,8 @@ def test_other_layer_errors_are_not_taken_for_an_unavailable_precision():
 
 @pytest.mark.parametrize("argv", [["--queries", "5", "--pairs", "4"], ["--precisions", "mxfp8,fp9"],
                                   ["--precisions", "bf16,bf16"], ["--keys", "3", "--pairs", "4"],
-                                  ["--qk-rope-dim", "31"], ["--steps", "0"]])
+                                  ["--qk-rope-dim", "31"], ["--steps", "0"],
+                                  ["--device", "not-a-device"]])
 def test_bad_arguments_exit_2(argv, tmp_path, capsys):
     assert tp.main([*argv, "--out", str(tmp_path)]) == 2
     assert "error:" in capsys.readouterr().err
@@ -133,3 +134,44 @@ def test_a_failing_run_exits_1(tmp_path):
     results = json.loads((tmp_path / "losses.json").read_text())["results"]
     assert results["composition"]["status"] == "ok"
     assert results["mxfp8"]["status"] == "failed" and "q_head_dim" in results["mxfp8"]["reason"]
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tp.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    options = [a for a in tp.parse_args([]).__dict__]
+    assert text.count("(default:") == len(options), text
+    assert "--steps STEPS" in text and "(default: 500)" in text
+
+
+def test_mqar_batch_asks_for_the_value_after_each_queried_key():
+    cfg = _tiny_cfg("--pairs", "6", "--queries", "4", "--keys", "10", "--values", "7", "--batch-size", "16")
+    tokens, targets = tp.mqar_batch(torch.Generator().manual_seed(3), cfg)
+    assert tokens.shape == targets.shape == (16, 2 * 6 + 4)
+    for row, tgt in zip(tokens.tolist(), targets.tolist(), strict=True):
+        keys, vals = row[0:12:2], row[1:12:2]
+        assert len(set(keys)) == 6 and all(0 <= k < 10 for k in keys)  # distinct keys from [0, keys)
+        assert all(10 <= v < 17 for v in vals)  # values from [keys, keys + values)
+        assert tgt[:12] == [tp.IGNORE] * 12  # the context is not scored
+        queries = row[12:]
+        assert len(set(queries)) == 4 and set(queries) <= set(keys)
+        assert tgt[12:] == [vals[keys.index(k)] for k in queries]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("output_format", ["bf16", "mxfp8"])
+def test_main_on_cuda(tmp_path, output_format):
+    """The compiled Triton path inside bf16 autocast (the CUDA default compute dtype): a few steps train."""
+    rc = tp.main(["--device", "cuda", "--steps", "5", "--out", str(tmp_path), "--output-format", output_format,
+                  "--log-every", "0"])
+    assert rc == 0
+    report = json.loads((tmp_path / "losses.json").read_text())
+    assert report["config"]["compute_dtype"] == "bf16"
+    trained = {k: r for k, r in report["results"].items() if r["status"] == "ok"}
+    assert {"composition", "bf16", "mxfp8"} <= set(trained)
+    ref = trained["composition"]["losses"][0]
+    for name, r in trained.items():
+        assert all(math.isfinite(v) for v in r["losses"]), (name, r["losses"])
+        assert abs(r["losses"][0] - ref) <= 2e-2 * ref, (name, r["losses"][0], ref)
