@@ -142,7 +142,9 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     if cfg.block_k % FP8_BLOCK or nb & (nb - 1) or K % cfg.block_k:
         raise ValueError(f"config.block_k ({cfg.block_k}) must be {FP8_BLOCK} times a power of two and divide K ({K})")
     _rsigma_kernel[(cdiv(T, cfg.rs_rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
-                                            ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k, num_warps=cfg.rs_warps)
+                                            ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k,
+                                            EMULATED=interpreter_enabled() or x2d.device.type != "cuda",
+                                            num_warps=cfg.rs_warps)
     n_t, n_k = cdiv(T, FP8_BLOCK), K // cfg.block_k
     tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
     _rmsnorm_fp8_block_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
