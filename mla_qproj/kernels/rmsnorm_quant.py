@@ -64,8 +64,12 @@ def _rmsnorm_quant_fwd_kernel(
             if COLWISE:
                 b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_xn, 0, EMULATED), SCALE_MODE)  # [BLOCK_K]
                 b_cq = quantize_e4m3(b_xn, b_cbyte[None, :], EMULATED, True)
-                tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m & (store_col != 0))
-                tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k & (store_col != 0))
+                # store_col != 0 as a boolean made by a select (compiled, it folds to the comparison): Triton 3.9's
+                # interpreter gives a comparison's result its operands' integer dtype, so the bare comparison
+                # broadcast into the masks below made integer masks, which its stores reject
+                f_col = tl.where(store_col != 0, True, False)
+                tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m & f_col)
+                tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k & f_col)
         else:
             tl.static_assert(PRECISION == "bf16")
             tl.store(p_a, to_bf16(b_xn, EMULATED), mask=m)
