@@ -326,12 +326,15 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
             o_i = tl.arange(0, RH)
             m_c = m_t[:, None] & (o_i < RH)[None, :]
             o_cs = o_t[:, None] * stride_cs + o_i[None, :]
-            b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
-            b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]
-            b_l3 = tl.reshape(b_lo, [BLOCK_M, HB // RH, RH])
-            b_h3 = tl.reshape(b_hi, [BLOCK_M, HB // RH, RH])
-            b_lo = tl.reshape(b_l3 * b_c - b_h3 * b_s, [BLOCK_M, HB])  # a' = a c - b s
-            b_hi = tl.reshape(b_h3 * b_c + b_l3 * b_s, [BLOCK_M, HB])  # b' = b c + a s
+            b_c = tl.load(cos_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]  # [BLOCK_M, 1, RH]
+            b_s = tl.load(sin_ptr + o_cs, mask=m_c, other=0.0).to(tl.float32)[:, None, :]  # [BLOCK_M, 1, RH]
+            # the tables are broadcast to the halves' [BLOCK_M, HB] shape, not the halves reshaped to the tables':
+            # the same code under Triton 3.6, and Triton 3.9 (sm_90) cannot compile the reshaped halves flowing out
+            # of this branch into the bf16 TMA-store epilogue (its layout propagation gives the branch's results two
+            # layouts)
+            b_c = tl.reshape(tl.broadcast_to(b_c, [BLOCK_M, HB // RH, RH]), [BLOCK_M, HB])
+            b_s = tl.reshape(tl.broadcast_to(b_s, [BLOCK_M, HB // RH, RH]), [BLOCK_M, HB])
+            b_lo, b_hi = b_lo * b_c - b_hi * b_s, b_hi * b_c + b_lo * b_s  # a' = a c - b s, b' = b c + a s
         else:
             _, m_i, o_i = _out_cols(i_n, tl.arange(0, HB), 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
             m_c = m_t[:, None] & m_i[None, :]
