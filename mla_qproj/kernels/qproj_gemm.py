@@ -226,6 +226,13 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
     o_n, m_n, _ = _out_cols(i_n, tl.arange(0, HB), HALF, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
     m = m_t[:, None] & m_n[None, :]
     o_y = o_t[:, None] * N + o_n[None, :]  # [BLOCK_M, HB] int64
+    if STYLE != "gptj":
+        # deepseek / neox: each aligned run of V kernel columns lands on V contiguous output columns starting at a
+        # multiple of V (SEG divides P, R/2, D - R, hence D and N; a half starts at a multiple of HB). Triton 3.6
+        # derives this itself (the hint leaves its sm_90 code unchanged); Triton 3.9 does not, and without the hint
+        # stores every element by itself (STG.U8 / U16 instead of 128-bit stores)
+        V: tl.constexpr = min(SEG, HB)
+        o_y = tl.max_contiguous(tl.multiple_of(o_y, [1, V]), [1, V])
     if OUT_FORMAT == "bf16":
         if TMA_STORE:
             _tma_store_half(yd_pass, yd_rope, to_bf16(b_y, EMULATED), i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
