@@ -291,6 +291,13 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
     o_n, m_n, _ = _out_cols(i_n, tl.arange(0, HB), HALF, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
     m = m_t[:, None] & m_n[None, :]
     o_y = o_t[:, None] * N + o_n[None, :]  # [BLOCK_M, HB] int64
+    if STYLE != "gptj":
+        # deepseek / neox: each aligned run of V kernel columns lands on V contiguous output columns starting at a
+        # multiple of V (SEG divides P, R/2, D - R, hence D and N; a half starts at a multiple of HB). Triton 3.6
+        # derives this itself (the hint leaves its sm_90 code unchanged); Triton 3.9 does not, and without the hint
+        # stores every element by itself (STG.U8 / U16 instead of 128-bit stores)
+        V: tl.constexpr = min(SEG, HB)
+        o_y = tl.max_contiguous(tl.multiple_of(o_y, [1, V]), [1, V])
     if OUT_FORMAT == "bf16":
         if TMA_STORE:
             _tma_store_half(yd_pass, yd_rope, to_bf16(b_y, EMULATED), i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
@@ -422,12 +429,15 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
             o_i = tl.arange(0, RH)
             m_c = m_t[:, None] & (o_i < RH)[None, :]
             o_cs = o_t[:, None] * stride_cs + o_i[None, :]
-            b_c = widen(tl.load(cos_ptr + o_cs, mask=m_c, other=0.0), EMULATED)[:, None, :]
-            b_s = widen(tl.load(sin_ptr + o_cs, mask=m_c, other=0.0), EMULATED)[:, None, :]
-            b_l3 = tl.reshape(b_lo, [BLOCK_M, HB // RH, RH])
-            b_h3 = tl.reshape(b_hi, [BLOCK_M, HB // RH, RH])
-            b_lo = tl.reshape(b_l3 * b_c - b_h3 * b_s, [BLOCK_M, HB])  # a' = a c - b s
-            b_hi = tl.reshape(b_h3 * b_c + b_l3 * b_s, [BLOCK_M, HB])  # b' = b c + a s
+            b_c = widen(tl.load(cos_ptr + o_cs, mask=m_c, other=0.0), EMULATED)[:, None, :]  # [BLOCK_M, 1, RH]
+            b_s = widen(tl.load(sin_ptr + o_cs, mask=m_c, other=0.0), EMULATED)[:, None, :]  # [BLOCK_M, 1, RH]
+            # the tables are broadcast to the halves' [BLOCK_M, HB] shape, not the halves reshaped to the tables':
+            # the same code under Triton 3.6, and Triton 3.9 (sm_90) cannot compile the reshaped halves flowing out
+            # of this branch into the bf16 TMA-store epilogue (its layout propagation gives the branch's results two
+            # layouts)
+            b_c = tl.reshape(tl.broadcast_to(b_c, [BLOCK_M, HB // RH, RH]), [BLOCK_M, HB])
+            b_s = tl.reshape(tl.broadcast_to(b_s, [BLOCK_M, HB // RH, RH]), [BLOCK_M, HB])
+            b_lo, b_hi = b_lo * b_c - b_hi * b_s, b_hi * b_c + b_lo * b_s  # a' = a c - b s, b' = b c + a s
         else:
             _, m_i, o_i = _out_cols(i_n, tl.arange(0, HB), 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
             m_c = m_t[:, None] & m_i[None, :]

@@ -62,8 +62,12 @@ def _rmsnorm_quant_fwd_kernel(
             tl.store(p_a, tl.reshape(b_img, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
             if COLWISE:
                 b_cq, b_cbyte = mx_quantize(b_xn, 0, SCALE_MODE, EMULATED, True)  # b_cbyte [BLOCK_K]
-                tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m & (store_col != 0))
-                tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k & (store_col != 0))
+                # store_col != 0 as a boolean made by a select (compiled, it folds to the comparison): Triton 3.9's
+                # interpreter gives a comparison's result its operands' integer dtype, so the bare comparison
+                # broadcast into the masks below made integer masks, which its stores reject
+                f_col = tl.where(store_col != 0, True, False)
+                tl.store(col_data_ptr + o_t[:, None] * K + o_k[None, :], b_cq, mask=m & f_col)
+                tl.store(col_scale_ptr + i_t * K + o_k, b_cbyte.to(tl.uint8), mask=m_k & f_col)
         else:
             tl.static_assert(PRECISION == "bf16")
             tl.store(p_a, to_bf16(b_xn, EMULATED), mask=m)
