@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import ast
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from ._constants import MX_BLOCK
 
 ScaleMode = Literal["rceil", "floor"]
 RopeStyle = Literal["deepseek", "neox", "gptj"]
-Precision = Literal["mxfp8", "bf16"]
+Precision = Literal["mxfp8", "bf16", "fp8_block"]
+BlockScale = Literal["pow2", "fp32"]
 OutputFormat = Literal["mxfp8", "bf16"]
 Backend = Literal["auto", "triton", "torch"]
 
 SCALE_MODES = ("rceil", "floor")
 ROPE_STYLES = ("deepseek", "neox", "gptj")
-PRECISIONS = ("mxfp8", "bf16")
+PRECISIONS = ("mxfp8", "bf16", "fp8_block")
+BLOCK_SCALES = ("pow2", "fp32")
+FP8_BLOCK = 128  # SPEC §5: elements per block of the block-scaled FP8 recipe
 OUTPUT_FORMATS = ("mxfp8", "bf16")
 BACKENDS = ("auto", "triton", "torch")
 
@@ -54,6 +58,7 @@ class QProjConfig:
     output_format: str = "mxfp8"
     columnwise_output: bool = False
     scale_mode: str = "rceil"
+    block_scale: str = "pow2"  # precision "fp8_block" only (SPEC §5)
 
     @property
     def out_features(self) -> int:
@@ -62,6 +67,24 @@ class QProjConfig:
     @property
     def rope_start(self) -> int:
         return self.qk_head_dim
+
+    def with_heads(self, num_heads: int) -> QProjConfig:
+        """The same layer with `num_heads` heads (a head group of the backward, a tensor-parallel shard)."""
+        return replace(self, num_heads=num_heads)
+
+    def encode(self) -> str:
+        """The one flattening of the config for torch.library custom ops (which take scalars, not objects):
+        a string of its fields, decoded by `QProjConfig.decode`."""
+        return ";".join(repr(getattr(self, f.name)) for f in fields(self))
+
+    @staticmethod
+    def decode(s: str) -> QProjConfig:
+        """Inverse of `encode` (cached: the ops decode on every call)."""
+        cfg = _DECODED.get(s)
+        if cfg is None:
+            values = [ast.literal_eval(v) for v in s.split(";")]
+            cfg = _DECODED[s] = QProjConfig(**{f.name: v for f, v in zip(fields(QProjConfig), values, strict=True)})
+        return cfg
 
     @staticmethod
     def make(
@@ -77,6 +100,7 @@ class QProjConfig:
         output_format: str = "mxfp8",
         columnwise_output: bool = False,
         scale_mode: str = "rceil",
+        block_scale: str = "pow2",
     ) -> QProjConfig:
         _positive_int("q_lora_rank", q_lora_rank)
         _positive_int("num_heads", num_heads)
@@ -99,6 +123,10 @@ class QProjConfig:
         validate_choice("precision", precision, PRECISIONS)
         validate_choice("output_format", output_format, OUTPUT_FORMATS)
         validate_choice("scale_mode", scale_mode, SCALE_MODES)
+        validate_choice("block_scale", block_scale, BLOCK_SCALES)
+        if precision == "fp8_block" and q_lora_rank % FP8_BLOCK:
+            raise ValueError(f"q_lora_rank must be a multiple of {FP8_BLOCK} for precision='fp8_block' (1x128 blocks "
+                             f"along K), got {q_lora_rank}")
         if q_lora_rank % MX_BLOCK:
             raise ValueError(f"q_lora_rank must be a multiple of {MX_BLOCK} (MXFP8 blocks along K), got {q_lora_rank}")
         if output_format == "mxfp8" and q_head_dim % MX_BLOCK:
@@ -120,4 +148,8 @@ class QProjConfig:
             output_format=output_format,
             columnwise_output=bool(columnwise_output),
             scale_mode=scale_mode,
+            block_scale=block_scale,
         )
+
+
+_DECODED: dict[str, QProjConfig] = {}

@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 __all__ = ["patch_deepseek_v3", "unpatch_deepseek_v3", "fused_query_layer"]
 
 _LAYER_KEY = "_mla_qproj_query_layer"  # attn.__dict__ entry holding the fused layer (not a registered submodule)
-_ALLOWED_KWARGS = ("precision", "output_format", "scale_mode", "backend", "columnwise_output")
+_ALLOWED_KWARGS = ("precision", "output_format", "scale_mode", "block_scale", "backend", "columnwise_output")
 _DEFAULT_KWARGS = {"precision": "bf16", "output_format": "bf16"}
 _HF_NAMES = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "eager_attention_forward",
              "ALL_ATTENTION_FUNCTIONS")
@@ -111,6 +111,8 @@ def _synced_layer(attn: nn.Module) -> FusedMLAQUpProjection:
         layer.norm_weight = attn.q_a_layernorm.weight
     if layer.inv_freq.device != layer.weight.device:
         layer.inv_freq = layer.inv_freq.to(layer.weight.device)
+        if layer._fused_src is not None:
+            layer._fused_src = layer._fused_src.to(layer.weight.device)
     return layer
 
 
@@ -190,9 +192,10 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     the same tables. Keys, values, the KV cache, masks and the attention function (`attn_implementation`, eager /
     sdpa / others registered in ALL_ATTENTION_FUNCTIONS) are computed as in the installed transformers.
 
-    layer_kwargs: `precision`, `output_format`, `scale_mode`, `backend`, `columnwise_output` of the layer; the
-    default is `precision="bf16", output_format="bf16"`. The attention functions take a dense query: a bf16 query
-    is cast to the activations' dtype, an MXFP8 one (`output_format="mxfp8"`) is dequantized to it.
+    layer_kwargs: `precision`, `output_format`, `scale_mode`, `block_scale`, `backend`, `columnwise_output` of
+    the layer; the default is `precision="bf16", output_format="bf16"`. The attention functions take a dense
+    query: a bf16 query is cast to the activations' dtype, an MXFP8 one (`output_format="mxfp8"`) is dequantized
+    to it.
 
     Attention modules without `q_lora_rank` (they use `q_proj`) are left as they are, with one warning. Patching a
     patched model rebuilds the fused layers with the new layer_kwargs. Returns `model` (patched in place).

@@ -11,7 +11,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import backend as _backend
 from ._config import BACKENDS, QProjConfig, validate_choice
-from .function import _FusedMLAQUpProjFunction, forward_query
+from .distributed import Parallel
+from .function import _FusedMLAQUpProjFunction, forward_query, query_shape
+from .recipes import get_recipe
 from .reference.rope import half_table, normalize_rope_scaling, rope_inv_freq
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -45,14 +47,25 @@ class FusedMLAQUpProjection(nn.Module):
         q_head_dim: D, per-head width (default qk_head_dim + R); trailing columns past nope + R pass through.
         eps, zero_centered_gamma: RMSNorm (g = 1 + norm_weight when zero-centered).
         rope_style: "deepseek" (interleaved pairs, de-interleaved output), "neox" or "gptj" (SPEC §3).
-        precision: "mxfp8" or "bf16" GEMM inputs. output_format: "mxfp8" (MXFP8Tensor) or "bf16".
+        precision: GEMM inputs: "mxfp8" (MXFP8, on bf16 tensor cores on Hopper), "bf16", or "fp8_block"
+            (DeepSeek-V3 / TransformerEngine Float8BlockScaling: 1x128 and 128x128 blocks, FP8 tensor cores; needs
+            q_lora_rank % 128 == 0). output_format: "mxfp8" (MXFP8Tensor) or "bf16".
         columnwise_output: also produce the query's columnwise MXFP8 (32-blocks along T).
-        scale_mode: "rceil" (TransformerEngine-compatible, default) or "floor" (OCP v1.0).
+        scale_mode: the MXFP8 scales (query, and GEMM inputs with precision "mxfp8"): "rceil"
+            (TransformerEngine-compatible, default) or "floor" (OCP v1.0).
+        block_scale: precision "fp8_block" only: "pow2" (power-of-two scales, TransformerEngine's Hopper default)
+            or "fp32" (DeepSeek-V3's original).
         rope_theta, rope_scaling: built-in tables for `position_ids` (None or a YaRN dict, HF or DeepSeek form).
         backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else PyTorch), "triton", "torch".
+        tp_group: a torch.distributed process group for tensor parallelism over heads (SPEC §6): num_heads is the
+            global count and this rank holds heads [r·H/tp, (r+1)·H/tp) (Megatron's column-parallel layout:
+            `weight` is the local shard [H/tp · D, K], `norm_weight` the full [K]).
+        sequence_parallel: x is this rank's slice of the first dimension (Megatron's sequence parallelism); the
+            query covers every token of the group. Needs tp_group.
 
-    Shapes: x [..., K] (any leading layout) -> q [..., H, D]; cos/sin broadcast against [..., R] (or [..., R/2]);
-    position_ids broadcast against x.shape[:-1].
+    Shapes: x [..., K] (any leading layout) -> q [..., H, D] (H/tp local heads; under sequence parallelism the first
+    dimension is tp times x's); cos/sin broadcast against [..., R] (or [..., R/2]) and position_ids against the
+    query's leading dims.
 
     Example:
         >>> layer = FusedMLAQUpProjection(1536, 128, 128, 64)
@@ -62,12 +75,19 @@ class FusedMLAQUpProjection(nn.Module):
     def __init__(self, q_lora_rank: int, num_heads: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
                  q_head_dim: int | None = None, eps: float = 1e-6, zero_centered_gamma: bool = False,
                  rope_style: str = "deepseek", precision: str = "mxfp8", output_format: str = "mxfp8",
-                 columnwise_output: bool = False, scale_mode: str = "rceil", rope_theta: float = 10000.0,
-                 rope_scaling: dict | None = None, backend: str = "auto", device=None, dtype=None) -> None:
+                 columnwise_output: bool = False, scale_mode: str = "rceil", block_scale: str = "pow2",
+                 rope_theta: float = 10000.0, rope_scaling: dict | None = None, backend: str = "auto",
+                 tp_group=None, sequence_parallel: bool = False, device=None, dtype=None) -> None:
         super().__init__()
-        self.cfg = QProjConfig.make(q_lora_rank, num_heads, qk_head_dim, qk_pos_emb_head_dim, q_head_dim, eps,
-                                    zero_centered_gamma, rope_style, precision, output_format, columnwise_output,
-                                    scale_mode)
+        self.par = Parallel.make(tp_group, sequence_parallel)
+        self.tp_size = 1 if self.par is None else self.par.world
+        global_cfg = QProjConfig.make(q_lora_rank, num_heads, qk_head_dim, qk_pos_emb_head_dim, q_head_dim, eps,
+                                      zero_centered_gamma, rope_style, precision, output_format, columnwise_output,
+                                      scale_mode, block_scale)
+        if num_heads % self.tp_size:
+            raise ValueError(f"num_heads ({num_heads}) must be divisible by the tp_group size ({self.tp_size})")
+        self.num_heads = num_heads  # global; self.cfg describes this rank's heads (what its kernels compute)
+        self.cfg = global_cfg.with_heads(num_heads // self.tp_size)
         self.backend = validate_choice("backend", backend, BACKENDS)
         if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not rope_theta > 0:
             raise ValueError(f"rope_theta must be a positive number, got {rope_theta!r}")
@@ -81,6 +101,9 @@ class FusedMLAQUpProjection(nn.Module):
             raise TypeError(f"dtype must be one of {_ACT_DTYPES} (the parameters' dtype), got {param_dtype}")
         self.weight = nn.Parameter(torch.empty(self.cfg.out_features, q_lora_rank, **factory_kwargs))
         self.norm_weight = nn.Parameter(torch.empty(q_lora_rank, **factory_kwargs))
+        # the fused forward GEMM's row order of W (fixed by the geometry; None when the general path runs)
+        src = _backend.fused_row_source(self.cfg)
+        self.register_buffer("_fused_src", None if src is None else src.to(device), persistent=False)
         self._wcache: _backend.PreparedWeight | None = None
         self._weight_epoch = 0
         _LIVE_LAYERS.add(self)
@@ -146,13 +169,19 @@ class FusedMLAQUpProjection(nn.Module):
         layer.weight = lw  # shared: the user's optimizer and state dict keep working
         layer.norm_weight = nw
         layer.inv_freq = rope_inv_freq(layer.cfg.rope_dim, layer.rope_theta, layer.rope_scaling)[0].to(lw.device)
+        if layer._fused_src is not None:
+            layer._fused_src = _backend.fused_row_source(layer.cfg).to(lw.device)
         return layer
 
     def extra_repr(self) -> str:
         c = self.cfg
-        s = (f"q_lora_rank={c.q_lora_rank}, num_heads={c.num_heads}, qk_head_dim={c.qk_head_dim}, "
+        s = (f"q_lora_rank={c.q_lora_rank}, num_heads={self.num_heads}, qk_head_dim={c.qk_head_dim}, "
              f"qk_pos_emb_head_dim={c.rope_dim}, q_head_dim={c.q_head_dim}, eps={c.eps}, rope_style={c.rope_style}, "
              f"precision={c.precision}, output_format={c.output_format}, scale_mode={c.scale_mode}")
+        if c.precision == "fp8_block":
+            s += f", block_scale={c.block_scale}"
+        if self.par is not None:
+            s += f", tp_size={self.tp_size}, local_heads={c.num_heads}, sequence_parallel={self.par.sequence_parallel}"
         if c.columnwise_output:
             s += ", columnwise_output=True"
         if c.zero_centered_gamma:
@@ -173,16 +202,17 @@ class FusedMLAQUpProjection(nn.Module):
         if torch.compiler.is_compiling():
             # under torch.compile the weight's quantization is part of the graph, every call: a Python-side
             # cache would be baked into the graph (stale after an update) or break it
-            return _backend.prepare_weight(w, self.cfg, use_triton, key=())
+            return _backend.prepare_weight(w, self.cfg, use_triton, (), self._fused_src)
         # _version moves with in-place torch ops; _weight_epoch with torch.optim steps (fused ones included);
         # the storage pointer with re-assignment of .data or a new Parameter
         key = (w._version, self._weight_epoch, w.data_ptr(), w.dtype, w.device, tuple(w.shape), use_triton)
         if self._wcache is None or self._wcache.key != key:
-            self._wcache = _backend.prepare_weight(w, self.cfg, use_triton, key)
+            self._wcache = _backend.prepare_weight(w, self.cfg, use_triton, key, self._fused_src)
         return self._wcache
 
-    def _pair_tables(self, x: torch.Tensor, cos, sin, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        lead = x.shape[:-1]
+    def _pair_tables(self, x: torch.Tensor, lead: torch.Size, cos, sin,
+                     position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, R/2] pair tables for the query's tokens (lead: its leading dims)."""
         T = math.prod(lead)
         half = self.cfg.rope_dim // 2
         if position_ids is not None:
@@ -200,7 +230,7 @@ class FusedMLAQUpProjection(nn.Module):
                     torch.broadcast_shapes(position_ids.shape, lead)
             except RuntimeError as e:
                 raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} does not broadcast against "
-                                 f"x.shape[:-1] = {tuple(lead)}") from e
+                                 f"the query's leading dims {tuple(lead)}") from e
             freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.to(x.device)
             c, s = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         else:
@@ -220,8 +250,8 @@ class FusedMLAQUpProjection(nn.Module):
                     if t.shape[:-1] != lead and torch.broadcast_shapes(t.shape[:-1], lead) != lead:
                         raise RuntimeError
                 except RuntimeError as e:
-                    raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast against "
-                                     f"x.shape[:-1] + (rope_dim,) = {tuple(lead) + (self.cfg.rope_dim,)}") from e
+                    raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast against the query's "
+                                     f"leading dims + (rope_dim,) = {tuple(lead) + (self.cfg.rope_dim,)}") from e
             c, s = half_table(cos, self.cfg.rope_dim), half_table(sin, self.cfg.rope_dim)
         # [T, R/2] views where the layout allows (a full-width HF table, a broadcast row): no copies on the host
         # path; the kernels take a row stride (shared by cos and sin) and a unit inner stride
@@ -246,16 +276,31 @@ class FusedMLAQUpProjection(nn.Module):
             if p.dtype not in _ACT_DTYPES:
                 raise TypeError(f"{name} dtype must be one of {_ACT_DTYPES}, got {p.dtype}")
 
+    def _check_sequence_parallel(self, x: torch.Tensor, needs_grad: bool) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"sequence_parallel=True needs x of shape [s/tp, ..., K] or [T/tp, K], got "
+                             f"{tuple(x.shape)}")
+        block = get_recipe(self.cfg.precision).col_block
+        if needs_grad and math.prod(x.shape[:-1]) % block:
+            raise ValueError(f"sequence_parallel=True with precision={self.cfg.precision!r}: this rank's token count "
+                             f"({math.prod(x.shape[:-1])}) must be a multiple of {block} when a backward is needed "
+                             f"(a columnwise block of the saved xn may not span two ranks)")
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, *,
                 position_ids: torch.Tensor | None = None):
-        """x [..., K] -> q [..., H, D]: an MXFP8Tensor (output_format='mxfp8') or a bf16 tensor."""
+        """x [..., K] -> q [..., H, D]: an MXFP8Tensor (output_format='mxfp8') or a bf16 tensor. With
+        sequence_parallel, x is this rank's slice of the first dimension and q covers every rank's tokens."""
         self._check_x(x)
-        cos_h, sin_h = self._pair_tables(x, cos, sin, position_ids)
-        use_triton = _backend.resolve_backend(self.backend, x.device)
-        pw = self._prepared_weight(use_triton)
+        par = self.par
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.norm_weight.requires_grad
                                                   or self.weight.requires_grad)
+        if par is not None and par.sequence_parallel:
+            self._check_sequence_parallel(x, needs_grad)
+        lead = torch.Size(query_shape(x, self.cfg, par)[:-2])
+        cos_h, sin_h = self._pair_tables(x, lead, cos, sin, position_ids)
+        use_triton = _backend.resolve_backend(self.backend, x.device)
+        pw = self._prepared_weight(use_triton)
         if not needs_grad and not torch.compiler.is_compiling():  # inference: no autograd bookkeeping
-            return forward_query(x, self.norm_weight, cos_h, sin_h, pw, self.cfg, use_triton, save=False)[0]
+            return forward_query(x, self.norm_weight, cos_h, sin_h, pw, self.cfg, use_triton, False, par)[0]
         return _FusedMLAQUpProjFunction.apply(x, self.norm_weight, self.weight, cos_h, sin_h, pw, self.cfg,
-                                              use_triton)
+                                              use_triton, par)

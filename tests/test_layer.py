@@ -84,11 +84,12 @@ def check_oracle(layer, x, cos, sin, H, nope, R, style, precision, output_format
 # ------------------------------------------------------------------------- 1. Triton vs torch backend
 
 
-def check_backends_agree(K, H, nope, R, T, precision, output_format, columnwise, scale_mode="rceil"):
-    lt = make_layer(K, H, nope, R, precision=precision, output_format=output_format, columnwise_output=columnwise,
-                    scale_mode=scale_mode, backend="triton")
-    lr = make_layer(K, H, nope, R, precision=precision, output_format=output_format, columnwise_output=columnwise,
-                    scale_mode=scale_mode, backend="torch")
+def check_backends_agree(K, H, nope, R, T, precision, output_format, columnwise, scale_mode="rceil",
+                         block_scale="pow2"):
+    kw = dict(precision=precision, output_format=output_format, columnwise_output=columnwise, scale_mode=scale_mode,
+              block_scale=block_scale)
+    lt = make_layer(K, H, nope, R, backend="triton", **kw)
+    lr = make_layer(K, H, nope, R, backend="torch", **kw)
     lr.load_state_dict(lt.state_dict())
     x = torch.randn(T // 2, 2, K, device=DEV)  # [s, b]
     cos, sin = hf_tables(torch.arange(T // 2, device=DEV)[:, None], R)
@@ -114,13 +115,19 @@ def check_backends_agree(K, H, nope, R, T, precision, output_format, columnwise,
 
 @pytest.mark.parametrize("precision,output_format,columnwise,scale_mode", [
     ("mxfp8", "mxfp8", False, "rceil"), ("mxfp8", "mxfp8", True, "rceil"), ("mxfp8", "mxfp8", True, "floor"),
-    ("mxfp8", "bf16", False, "rceil"), ("bf16", "mxfp8", True, "rceil"), ("bf16", "bf16", False, "rceil")])
+    ("mxfp8", "bf16", False, "rceil"), ("bf16", "mxfp8", True, "rceil"), ("bf16", "bf16", False, "rceil"),
+    ("fp8_block", "bf16", False, "pow2"), ("fp8_block", "mxfp8", True, "fp32")])
 def test_backends_agree(precision, output_format, columnwise, scale_mode):
-    check_backends_agree(64, 2, 32, 32, 70, precision, output_format, columnwise, scale_mode)
+    # (for fp8_block the last field is block_scale)
+    if precision == "fp8_block":
+        check_backends_agree(128, 2, 32, 32, 70, precision, output_format, columnwise, block_scale=scale_mode)
+    else:
+        check_backends_agree(64, 2, 32, 32, 70, precision, output_format, columnwise, scale_mode)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision,output_format", [("mxfp8", "mxfp8"), ("bf16", "bf16")])
+@pytest.mark.parametrize("precision,output_format", [("mxfp8", "mxfp8"), ("bf16", "bf16"), ("fp8_block", "bf16"),
+                                                     ("fp8_block", "mxfp8")])
 def test_backends_agree_gpu(precision, output_format):
     columnwise = output_format == "mxfp8"
     check_backends_agree(V3["K"], V3["H"], V3["nope"], V3["R"], 4096, precision, output_format, columnwise)
@@ -167,7 +174,7 @@ def tables_for(layout, x, R, half):
 @HYP
 @given(layout=st.sampled_from(LAYOUTS), T=st.sampled_from([1, 31, 33, 64, 70]), K=st.sampled_from([32, 64, 128]),
        geom=st.sampled_from(GEOMS), style=st.sampled_from(["deepseek", "neox", "gptj"]), k=st.integers(-8, 8),
-       precision=st.sampled_from(["mxfp8", "bf16"]), output_format=st.sampled_from(["mxfp8", "bf16"]),
+       precision=st.sampled_from(["mxfp8", "bf16", "fp8_block"]), output_format=st.sampled_from(["mxfp8", "bf16"]),
        columnwise=st.booleans(), scale_mode=st.sampled_from(["rceil", "floor"]), zc=st.booleans(),
        x_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        w_dtype=st.sampled_from([torch.float32, torch.bfloat16]), half=st.booleans(),
@@ -178,10 +185,12 @@ def test_matches_fp64_oracle(layout, T, K, geom, style, k, precision, output_for
     H, nope, R, D = geom
     if D % 32:
         output_format = "bf16"  # q_head_dim % 32 != 0 is only allowed with bf16 output
+    if precision == "fp8_block":
+        K = 128  # 1x128 blocks along K
     columnwise = columnwise and output_format == "mxfp8"
     layer = make_layer(K, H, nope, R, D, w_dtype, zc, rope_style=style, precision=precision,
                        output_format=output_format, columnwise_output=columnwise, scale_mode=scale_mode,
-                       backend=backend)
+                       block_scale="fp32" if seed % 2 else "pow2", backend=backend)
     x = make_x(layout, T, K, x_dtype, 2.0**k)
     cos, sin = tables_for(layout, x, R, half)
     tag = f"[{layout} T={T} K={K} geom={geom} {style} 2^{k} {precision}/{output_format} {x_dtype} {backend}]"
@@ -189,7 +198,8 @@ def test_matches_fp64_oracle(layout, T, K, geom, style, k, precision, output_for
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision,output_format", [("mxfp8", "mxfp8"), ("mxfp8", "bf16"), ("bf16", "bf16")])
+@pytest.mark.parametrize("precision,output_format", [("mxfp8", "mxfp8"), ("mxfp8", "bf16"), ("bf16", "bf16"),
+                                                     ("fp8_block", "bf16"), ("fp8_block", "mxfp8")])
 @pytest.mark.parametrize("style", ["deepseek", "neox"])
 def test_matches_fp64_oracle_gpu(precision, output_format, style):
     layer = make_layer(V3["K"], V3["H"], V3["nope"], V3["R"], rope_style=style, precision=precision,
@@ -376,12 +386,12 @@ def test_empty_input(lead, output_format, backend):
     assert layer.norm_weight.grad.shape == (K,) and not layer.norm_weight.grad.any(), "dnorm_weight"
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16", "fp8_block"])
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_main_grad_accumulates(precision, backend):
-    layer = make_layer(64, 2, 32, 32, precision=precision, backend=backend)
+    layer = make_layer(128 if precision == "fp8_block" else 64, 2, 32, 32, precision=precision, backend=backend)
     ref = copy.deepcopy(layer)
-    x = torch.randn(33, 64, device=DEV)
+    x = torch.randn(33, layer.cfg.q_lora_rank, device=DEV)
     cos, sin = hf_tables(torch.arange(33, device=DEV), 32)
     _, _, g, dy = run(ref, x, cos, sin)
     layer.weight.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
@@ -395,8 +405,8 @@ def test_main_grad_accumulates(precision, backend):
     torch.testing.assert_close(layer.norm_weight.grad, 2 * g["dnorm_weight"], msg=lambda m: f"dnorm_weight: {m}")
 
 
-def check_deterministic(K, H, nope, R, T):
-    layer = make_layer(K, H, nope, R, columnwise_output=True)
+def check_deterministic(K, H, nope, R, T, precision="mxfp8"):
+    layer = make_layer(K, H, nope, R, columnwise_output=True, precision=precision)
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
     cos, sin = hf_tables(torch.arange(T, device=DEV), R)
     q1, d1, g1, dy = run(layer, x, cos, sin)
@@ -407,25 +417,28 @@ def check_deterministic(K, H, nope, R, T):
         assert torch.equal(g1[k], g2[k]), f"{k} differs between two identical backward runs"
 
 
-def test_deterministic():
-    check_deterministic(128, 2, 32, 32, 70)
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_deterministic(precision):
+    check_deterministic(128, 2, 32, 32, 70, precision)
 
 
 @pytest.mark.gpu
-def test_deterministic_gpu():
-    check_deterministic(V3["K"], V3["H"], V3["nope"], V3["R"], 4096)
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_deterministic_gpu(precision):
+    check_deterministic(V3["K"], V3["H"], V3["nope"], V3["R"], 4096, precision)
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16", "fp8_block"])
 @pytest.mark.parametrize("use_main_grad", [False, True])
 def test_backward_head_groups(precision, use_main_grad, monkeypatch):
     """The backward walked in head groups (GROUP_ELEMENTS lowered: 4 groups) against one group: each dW row block is
     the same GEMM (bitwise equal); dxn is summed over the groups (fp32 summation order only)."""
     from mla_qproj import backend
 
-    T = 40
-    layer = make_layer(64, 4, 32, 64, precision=precision)  # contiguous-tile RoPE geometry
-    x = torch.randn(T, 64, device=DEV)
+    T, K = 40, 128
+    # contiguous-tile RoPE geometry; fp8_block: D = 128, so every group edge is a 128-column block edge
+    layer = make_layer(K, 4, 32, 64, 128 if precision == "fp8_block" else None, precision=precision)
+    x = torch.randn(T, K, device=DEV)
     cos, sin = hf_tables(torch.arange(T, device=DEV), 64)
     _, _, g1, dy = run(layer, x, cos, sin)
     assert backend.head_groups(T, layer.cfg) == 1
@@ -464,15 +477,15 @@ def test_no_grad_call_matches_autograd_call(output_format):
 def check_dw_bf16_direct(N, T, K):
     """dW for a bf16 weight is written by the GEMM in bf16: the fp32 sum rounded once, as the fp32 product cast to
     bf16 (up to cuBLAS's fp32 summation order: at most one bf16 ulp apart); the reduction flag is restored."""
-    from mla_qproj import backend
+    from mla_qproj.recipes import _gemm
 
     a = torch.randn(T, N, device=DEV).to(torch.bfloat16).t()  # dy_col^T: a transposed view, as in backward
     b = torch.randn(T, K, device=DEV).to(torch.bfloat16)
     flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
     out = torch.empty(N, K, device=DEV, dtype=torch.bfloat16)
-    backend._mm_into_dtype(out, a, b)
+    _gemm.mm_into_dtype(out, a, b)
     assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == flag, "global flag not restored"
-    ref = backend._mm_fp32(a, b)
+    ref = _gemm.mm_fp32(a, b)
     cast = ref.to(torch.bfloat16)
     if DEV.type == "cpu":
         assert torch.equal(out, cast)

@@ -1,0 +1,92 @@
+"""The recipe seam: everything that depends on the GEMM precision, behind one small interface.
+
+A recipe owns the block geometry and scale encoding of its operands, how the weight is prepared (and cached by the
+module), how RMSNorm's output becomes the forward GEMM's input and what of it backward keeps, which GEMMs run, and
+how the query's gradient becomes the backward GEMMs' operands. The precision-independent flow (RMSNorm backward, the
+head-group walk of the backward, tensor/sequence-parallel communication, the query object) lives in `backend`.
+
+Every method takes `use_triton`: True runs the Triton kernels (and cuBLAS where a recipe says so), False the
+pure-PyTorch reference in `mla_qproj/reference/`; both compute the same function (quantization bytes identical,
+GEMMs up to the fp32 summation order). Operands travel as tuples of tensors so that the flow can gather, slice and
+save them without knowing their layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from .._config import QProjConfig
+from ..distributed import Parallel, gather_rows
+
+Operands = tuple  # of tensors; the layout is the recipe's
+
+
+@dataclass
+class PreparedWeight:
+    """What the GEMMs read of W, derived once per weight version (the module caches it under `key`)."""
+
+    key: tuple
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # per-call-shape derived operands (e.g. head-group slices)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def get(self, name: str) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
+
+class Recipe:
+    """Interface of a GEMM precision. `col_block`: tokens per block of the columnwise xn that backward saves (the
+    local token count of a sequence-parallel rank must be a multiple; 1 = no token blocks). `n_align`: columns of N
+    a head group of the backward must be a multiple of (the query gradient's row blocks must not straddle groups)."""
+
+    name: ClassVar[str]
+    col_block: ClassVar[int] = 1
+    n_align: ClassVar[int] = 1
+
+    def prepare_weight(self, w: torch.Tensor, cfg: QProjConfig, use_triton: bool, key: tuple,
+                       src: torch.Tensor | None) -> PreparedWeight:
+        """src: the fused GEMM's row order (`kernels.qproj_gemm.fused_row_source`) when it runs, else None."""
+        raise NotImplementedError
+
+    def norm_quant(self, x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: QProjConfig, use_triton: bool,
+                   save: bool) -> tuple[torch.Tensor, Operands, Operands]:
+        """RMSNorm and the forward GEMM's input: (rsigma fp32 [T], GEMM input, what wgrad reads of xn); the last is
+        empty when save is False (inference)."""
+        raise NotImplementedError
+
+    def forward_gemm(self, a: Operands, pw: PreparedWeight, cos_h: torch.Tensor, sin_h: torch.Tensor,
+                     cfg: QProjConfig, use_triton: bool) -> tuple:
+        """The query: (bf16 [T, H, D], None, None, None) or (row data, row scale, col data | None, col scale | None)
+        as `reference.qproj.quantize_output` lays them out."""
+        raise NotImplementedError
+
+    def grad_operands(self, dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: QProjConfig,
+                      use_triton: bool) -> tuple[Operands, Operands]:
+        """Inverse RoPE of dq2d [T, cfg.out_features] (a run of whole heads: cfg has their count), then (dgrad
+        operand, wgrad operand)."""
+        raise NotImplementedError
+
+    def dgrad(self, g_row: Operands, pw: PreparedWeight, cols: slice, cfg: QProjConfig, use_triton: bool,
+              dxn: torch.Tensor | None) -> torch.Tensor:
+        """dxn [T, K] fp32 (+)= g_row · W[cols]: a new tensor when dxn is None, else accumulated into it."""
+        raise NotImplementedError
+
+    def wgrad(self, g_col: Operands, saved: Operands, cols: slice, cfg: QProjConfig, use_triton: bool,
+              out: torch.Tensor, accumulate: bool) -> None:
+        """out [len(cols), K] = g_col^T · xn (rounded once to out's dtype), or += when accumulate (main_grad)."""
+        raise NotImplementedError
+
+    # ---- sequence parallelism: the tensors that cross ranks. Defaults: every operand is token-major ([T, ...]).
+
+    def gather_input(self, a: Operands, par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
+        """The GEMM input of every rank's tokens, in rank order."""
+        return tuple(gather_rows(t, par) for t in a)
+
+    def gather_saved(self, saved: Operands, par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
+        """What wgrad reads of xn, for every rank's tokens."""
+        return tuple(gather_rows(t, par) for t in saved)

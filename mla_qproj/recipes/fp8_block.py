@@ -1,0 +1,160 @@
+"""precision="fp8_block": the DeepSeek-V3 / TransformerEngine Float8BlockScaling recipe (SPEC §5), at the FP8
+tensor-core rate on Hopper. GEMM map (T tokens, K = q_lora_rank, N = num_heads * q_head_dim; E4M3 codes, one fp32
+scale per 1x128 / 128x1 block or 128x128 tile, fp32 accumulation promoted once per 128-long reduction block):
+
+    forward  y   [T, N] = xn(1x128 along K) @ W(128x128)^T        fused Triton GEMM with the RoPE epilogue (sm_90)
+    dgrad    dxn [T, K] = dy(1x128 along N) @ W(128x128)          cuBLAS blockwise (torch._scaled_mm), fp32 out
+    wgrad    dW  [N, K] = dy(128x1 along T)^T @ xn(128x1 along T)  cuBLAS blockwise (1x128 x 1x128 along T)
+
+W is quantized once per version; the same tiles serve forward (in the fused kernel's row order) and dgrad (as the
+transposed codes cuBLAS wants). Off sm_90 / on the CPU the GEMMs run as `reference.fp8_block.block_scaled_mm`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import FP8_BLOCK, QProjConfig
+from ..distributed import Parallel, gather_cols, gather_rows
+from ..reference import fp8_block as ref8
+from ..reference import qproj as ref
+from .base import PreparedWeight, Recipe
+from .images import query_outputs, reference_query, rope_epilogue
+
+
+def cublas_blockwise(device: torch.device, *reductions: int) -> bool:
+    """torch._scaled_mm's 1x128 / 128x128 block scaling runs on sm_90 (cuBLASLt >= 12.9); its scale layouts want
+    the reduction's block count a multiple of 4 and the reduction a multiple of 16 bytes."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and all(r % (4 * FP8_BLOCK) == 0 for r in reductions))
+
+
+class FP8Block(Recipe):
+    name = "fp8_block"
+    col_block = FP8_BLOCK
+    n_align = FP8_BLOCK
+
+    # ---------------------------------------------------------------------------------------------- weight
+
+    def prepare_weight(self, w, cfg, use_triton, key, src):
+        w = w.detach()
+        bs = cfg.block_scale
+        if not use_triton:
+            wq, ws = ref8.prepare_weight_fp8_block(w, bs)
+            return PreparedWeight(key, {"wq": wq, "ws": ws})
+        from ..kernels.fp8_block_quant import fp8_block_quantize_op
+
+        wq, ws = fp8_block_quantize_op(w, FP8_BLOCK, FP8_BLOCK, bs)  # [N, K] codes, [N/128, K/128] scale_inv
+        tensors = {"wq": wq, "ws": ws}
+        if src is not None:  # the fused GEMM's row order, with a per-row scale_inv [K/128, rows]
+            from ..kernels.qproj_gemm import prepare_fused_weight_fp8
+
+            tensors["fused"], tensors["fused_sinv"] = prepare_fused_weight_fp8(wq, ws, cfg, src)
+        if cublas_blockwise(w.device, cfg.out_features):
+            tensors["wq_t"] = wq.t().contiguous()  # [K, N]: dgrad's B operand, column-major as cuBLAS wants
+            tensors["ws_t"] = ws.t().contiguous()  # [K/128, N/128]
+        return PreparedWeight(key, tensors)
+
+    # --------------------------------------------------------------------------------------------- forward
+
+    def norm_quant(self, x2d, norm_weight, cfg, use_triton, save):
+        bs = cfg.block_scale
+        if not use_triton:
+            xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
+            xn = ref8.canonical_nan(xn)
+            a = ref8.quantize_blocks(xn, (1, FP8_BLOCK), bs)  # codes [T, K], scale_inv [T, K/128]
+            return rsigma, a, ref8.quantize_blocks(xn, (FP8_BLOCK, 1), bs) if save else ()
+        from ..kernels.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd_op
+
+        rsigma, ad, asv, cd, cs = rmsnorm_fp8_block_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, bs,
+                                                           save)
+        # a: codes [T, K], scale_inv M-major [K/128, T]; saved: codes transposed [K, T_pad], scale_inv [T/128, K]
+        return rsigma, (ad, asv), (cd, cs) if save else ()
+
+    def forward_gemm(self, a, pw, cos_h, sin_h, cfg, use_triton):
+        ad, asv = a
+        T = ad.shape[0]
+        if not use_triton:
+            y = ref8.block_scaled_mm(ad, asv, pw["wq"], pw["ws"], 1, FP8_BLOCK)
+            return reference_query(y, cos_h, sin_h, cfg)
+        if pw.get("fused") is not None:
+            from ..ops import qproj_gemm_fp8_fwd_op
+
+            outs = qproj_gemm_fp8_fwd_op(ad, asv, pw["fused"], pw["fused_sinv"], cos_h, sin_h, cfg.num_heads,
+                                         cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_style,
+                                         cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+            return query_outputs(*outs, T, cfg)
+        # a geometry the fused epilogue does not cover: an fp32 GEMM, then the RoPE + output kernel
+        if cublas_blockwise(ad.device, cfg.q_lora_rank):
+            y = torch._scaled_mm(ad, pw["wq"].t(), scale_a=asv.t(), scale_b=pw["ws"].t(), out_dtype=torch.float32)
+        else:
+            y = ref8.block_scaled_mm(ad, asv.t(), pw["wq"], pw["ws"], 1, FP8_BLOCK)
+        return rope_epilogue(y, cos_h, sin_h, cfg)
+
+    def gather_input(self, a, par: Parallel, cfg: QProjConfig, use_triton: bool):
+        ad, asv = a
+        if not use_triton:  # reference layout: scale_inv [T, K/128], token-major
+            return gather_rows(ad, par), gather_rows(asv, par)
+        return gather_rows(ad, par), gather_cols(asv, par)  # M-major [K/128, T]: tokens on the inner axis
+
+    def gather_saved(self, saved, par: Parallel, cfg: QProjConfig, use_triton: bool):
+        cd, cs = saved
+        if not use_triton:  # reference layout: codes [T, K]
+            return gather_rows(cd, par), gather_rows(cs, par)
+        # transposed codes [K, T_local] (T_local a multiple of 128: no padding) and scale_inv [T_local/128, K]
+        return gather_cols(cd, par), gather_rows(cs, par)
+
+    # -------------------------------------------------------------------------------------------- backward
+
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
+        bs = cfg.block_scale
+        if not use_triton:
+            dr, drs, dc, dcs = ref8.grad_operands_fp8_block(dq2d, cos_h, sin_h, cfg, bs)
+            return (dr, drs), (dc, dcs)
+        from ..kernels.rope_fp8_block import rope_fp8_block_bwd_op
+
+        # row: codes [T, N], scale_inv M-major [N/128, T]; col: codes transposed [N, T_pad], scale_inv [T/128, N]
+        dr, drs, dc, dcs = rope_fp8_block_bwd_op(dq2d, cos_h, sin_h, cfg.num_heads, cfg.q_head_dim,
+                                                 cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, bs)
+        return (dr, drs), (dc, dcs)
+
+    def dgrad(self, g_row, pw, cols, cfg, use_triton, dxn):
+        dr, drs = g_row
+        nb = slice(cols.start // FP8_BLOCK, -(-cols.stop // FP8_BLOCK))
+        if use_triton and cublas_blockwise(dr.device, cols.stop - cols.start) and "wq_t" in pw.tensors:
+            b, sb = self._dgrad_weight(pw, cols, nb)
+            part = torch._scaled_mm(dr, b, scale_a=drs.t(), scale_b=sb, out_dtype=torch.float32)
+        else:
+            sa = drs if drs.shape[0] == dr.shape[0] else drs.t()  # reference [T, N/128] or M-major [N/128, T]
+            part = ref8.block_scaled_mm(dr, sa, pw["wq"][cols].t(), pw["ws"][nb].t(), 1, FP8_BLOCK)
+        return part if dxn is None else dxn.add_(part)
+
+    @staticmethod
+    def _dgrad_weight(pw: PreparedWeight, cols: slice, nb: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """dgrad's B operand for the head group `cols` (cached per group): W^T's columns [K, n] as cuBLAS's
+        column-major [n, K], and the 128x128 scale_inv as the [n/128, K/128] view of a [K/128, n/128] tensor."""
+        key = ("dgrad", cols.start, cols.stop)
+        if key not in pw.cache:
+            wq_t, ws_t = pw["wq_t"], pw["ws_t"]
+            whole = (cols.start, cols.stop) == (0, wq_t.shape[1])
+            b = wq_t if whole else wq_t[:, cols].contiguous()
+            sb = ws_t if whole else ws_t[:, nb].contiguous()
+            pw.cache[key] = (b.t(), sb.t())
+        return pw.cache[key]
+
+    def wgrad(self, g_col, saved, cols, cfg, use_triton, out, accumulate):
+        dc, dcs = g_col
+        xc, xcs = saved
+        if use_triton and cublas_blockwise(dc.device):
+            # A = dy^T codes [n, T_pad] (row-major), B = xn^T codes [K, T_pad] as column-major [T_pad, K]; both in
+            # 1x128 blocks along T: scale_a [n, T/128] (M-major view), scale_b the [T/128, K] tensor itself
+            dw = torch._scaled_mm(dc, xc.t(), scale_a=dcs.t(), scale_b=xcs,
+                                  out_dtype=torch.float32 if accumulate else out.dtype)
+        elif use_triton:  # transposed codes [n, T_pad], [K, T_pad]; the padding codes are zero
+            dw = ref8.block_scaled_mm(dc, dcs.t(), xc, xcs.t(), 1, 1)
+        else:  # reference layout: codes [T, n], [T, K]
+            dw = ref8.block_scaled_mm(dc.t(), dcs.t(), xc.t(), xcs.t(), 1, 1)
+        if accumulate:
+            out.add_(dw)
+        else:
+            out.copy_(dw)

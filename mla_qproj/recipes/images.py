@@ -1,0 +1,202 @@
+"""Recipes whose GEMM operands are exact bf16 images, multiplied on bf16 tensor cores with fp32 accumulation:
+"mxfp8" (every operand is the image of its MXFP8 quantization: E4M3 * 2^k is exact in bf16, so this is MXFP8
+arithmetic up to the fp32 summation order; Hopper has no MX tensor-core path) and "bf16" (operands rounded once to
+bf16). GEMM map (T tokens, K = q_lora_rank, N = num_heads * q_head_dim):
+
+    forward  y   [T, N] = xn_q(rowwise, along K) @ W_q(rowwise, along K)^T     (fused GEMM + RoPE epilogue on sm_90)
+    dgrad    dxn [T, K] = dy_q(rowwise, along N) @ W_q(columnwise, along N)
+    wgrad    dW  [N, K] = dy_q(columnwise, along T)^T @ xn_q(columnwise, along T)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import QProjConfig
+from ..distributed import Parallel, gather_rows
+from ..reference import mxfp8 as ref_mx
+from ..reference import qproj as ref
+from ..reference.rope import apply_rope
+from ._gemm import mm_accumulate, mm_fp32, mm_into_dtype
+from .base import Operands, PreparedWeight, Recipe
+
+
+def query_outputs(rd, rs, cd, cs, T: int, cfg: QProjConfig) -> tuple:
+    """An op's four outputs (absent ones empty or None) in `reference.qproj.quantize_output`'s form, 4 entries."""
+    H, D = cfg.num_heads, cfg.q_head_dim
+    if cfg.output_format == "bf16":
+        return rd.view(T, H, D), None, None, None
+    cols = (cd.view(T, H, D), cs.view(-1, H, D)) if cfg.columnwise_output else (None, None)
+    return (rd.view(T, H, D), rs.view(T, H, D // 32), *cols)
+
+
+def reference_query(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
+    """The pure-PyTorch epilogue: RoPE on the fp32 y [T, N], then the output quantization (4 entries)."""
+    y = apply_rope(y.reshape(y.shape[0], cfg.num_heads, cfg.q_head_dim), cos_h, sin_h, cfg.qk_head_dim,
+                   cfg.rope_dim, cfg.rope_style)
+    outs = ref.quantize_output(y, cfg)
+    return (outs[0], None, None, None) if len(outs) == 1 else outs
+
+
+def rope_epilogue(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
+    """The general forward's epilogue on the Triton path: y [T, N] fp32 -> RoPE + output quantization kernel."""
+    from ..ops import rope_quant_op
+
+    outs = rope_quant_op(y, cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim,
+                         cfg.rope_style, False, cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+    return query_outputs(*outs, y.shape[0], cfg)
+
+
+class ImageRecipe(Recipe):
+    """The shared part of "mxfp8" and "bf16": bf16-image GEMMs (fused forward on sm_90, cuBLAS elsewhere)."""
+
+    def _images(self, w: torch.Tensor, cfg: QProjConfig, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward image, dgrad image) of W [N, K], bf16."""
+        raise NotImplementedError
+
+    def prepare_weight(self, w, cfg, use_triton, key, src):
+        fwd, bwd = self._images(w.detach(), cfg, use_triton)
+        if not use_triton:
+            return PreparedWeight(key, {"fwd": fwd, "bwd": bwd})
+        tensors = {"bwd": bwd}
+        if src is not None:  # the fused GEMM's row order (an exact permutation, zero rows as padding)
+            tensors["fused"] = torch.cat([fwd, fwd.new_zeros(1, fwd.shape[1])])[src]
+        else:
+            tensors["fwd"] = fwd  # only one forward operand is kept (N * K * 2 bytes)
+        return PreparedWeight(key, tensors)
+
+    def forward_gemm(self, a, pw, cos_h, sin_h, cfg, use_triton):
+        (a,) = a
+        T = a.shape[0]
+        if not use_triton:
+            return reference_query(a.float() @ pw["fwd"].float().t(), cos_h, sin_h, cfg)
+        if pw.get("fused") is not None:
+            from ..ops import qproj_gemm_fwd_op
+
+            outs = qproj_gemm_fwd_op(a, pw["fused"], cos_h, sin_h, cfg.num_heads, cfg.qk_head_dim, cfg.rope_dim,
+                                     cfg.q_head_dim, cfg.rope_style, cfg.output_format, cfg.columnwise_output,
+                                     cfg.scale_mode)
+            return query_outputs(*outs, T, cfg)
+        return rope_epilogue(mm_fp32(a, pw["fwd"].t()), cos_h, sin_h, cfg)
+
+    def dgrad(self, g_row, pw, cols, cfg, use_triton, dxn):
+        (g,) = g_row
+        w = pw["bwd"][cols]
+        if not use_triton:
+            part = g.float() @ w.float()
+            return part if dxn is None else dxn.add_(part)
+        if dxn is None:
+            return mm_fp32(g, w)
+        mm_accumulate(dxn, g, w)
+        return dxn
+
+    def _xn_image(self, saved: Operands, use_triton: bool) -> torch.Tensor:
+        """xn's wgrad operand [T, K]: the image of its columnwise quantization (bf16 on the Triton path)."""
+        raise NotImplementedError
+
+    def wgrad(self, g_col, saved, cols, cfg, use_triton, out, accumulate):
+        (g,) = g_col
+        xn = self._xn_image(saved, use_triton)
+        if not use_triton:
+            dw = g.float().t() @ xn.float()
+            if accumulate:
+                out.add_(dw)
+            else:
+                out.copy_(dw)
+            return
+        mm_into_dtype(out, g.t(), xn, accumulate)
+
+
+class MXFP8(ImageRecipe):
+    """precision="mxfp8" (SPEC §1-§2)."""
+
+    name = "mxfp8"
+    col_block = 32
+    n_align = 32
+
+    def _images(self, w, cfg, use_triton):
+        if not use_triton:
+            return ref.prepare_weight(w, cfg)
+        from ..ops import mxfp8_quantize_2d_op
+
+        rd, rs, cd, cs = mxfp8_quantize_2d_op(w, True, True, cfg.scale_mode)
+        return (ref_mx.dequantize_rowwise(rd, rs, torch.bfloat16),
+                ref_mx.dequantize_columnwise(cd, cs, torch.bfloat16))
+
+    def norm_quant(self, x2d, norm_weight, cfg, use_triton, save):
+        if not use_triton:
+            xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
+            a = ref_mx.dequantize_rowwise(*ref_mx.quantize_rowwise(xn, cfg.scale_mode))
+            return rsigma, (a,), ref_mx.quantize_columnwise(xn, cfg.scale_mode) if save else ()
+        from ..ops import rmsnorm_quant_fwd_op
+
+        rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, "mxfp8",
+                                                   cfg.scale_mode, save)
+        return rsigma, (a,), (xcd, xcs) if save else ()
+
+    def gather_input(self, a, par: Parallel, cfg: QProjConfig, use_triton: bool):
+        # the GEMM input is the exact image of xn's rowwise MXFP8; it crosses the ranks as MXFP8 (codes and scale
+        # bytes: about half the bytes of bf16) and is decoded again. Re-encoding an MXFP8 image with its own scale
+        # mode is lossless (the image's values are on the E4M3 grid times its block's power of two), so every rank
+        # multiplies the same image as the tp = 1 layer
+        (img,) = a
+        codes, scale = ref_mx.quantize_rowwise(img, cfg.scale_mode)
+        return (ref_mx.dequantize_rowwise(gather_rows(codes, par), gather_rows(scale, par), img.dtype),)
+
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
+        if not use_triton:
+            row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
+            return (row,), (col,)
+        from ..ops import mxfp8_quantize_2d_op, rope_quant_op
+
+        args = (cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, True)
+        if cfg.q_head_dim % 32 == 0:  # the N-blocks stay inside a head: one fused pass
+            row, _, col, _ = rope_quant_op(dq2d, *args, "mxfp8_images", True, cfg.scale_mode)
+            return (row,), (col,)
+        # general geometry: N-blocks cross heads (partial last block): rotate, then quantize the [T, N] tensor
+        g = rope_quant_op(dq2d, *args, "fp32", False, cfg.scale_mode)[0]
+        _, _, cdt, cst = mxfp8_quantize_2d_op(g.t(), False, True, cfg.scale_mode)  # along N == columnwise of g^T
+        _, _, cd, cs = mxfp8_quantize_2d_op(g, False, True, cfg.scale_mode)
+        row = ref_mx.dequantize_columnwise(cdt, cst, torch.bfloat16).t()
+        return (row,), (ref_mx.dequantize_columnwise(cd, cs, torch.bfloat16),)
+
+    def _xn_image(self, saved, use_triton):
+        if not use_triton:
+            return ref_mx.dequantize_columnwise(*saved)
+        from ..ops import dequantize_columnwise_bf16_op
+
+        return dequantize_columnwise_bf16_op(*saved)
+
+
+class BF16(ImageRecipe):
+    """precision="bf16": xn rounded once to bf16, W and dy in bf16."""
+
+    name = "bf16"
+
+    def _images(self, w, cfg, use_triton):
+        wb = w.to(torch.bfloat16)
+        return wb, wb
+
+    def norm_quant(self, x2d, norm_weight, cfg, use_triton, save):
+        if not use_triton:
+            xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
+            xb = xn.to(torch.bfloat16)
+            return rsigma, (xb.float(),), (xb,) if save else ()
+        from ..ops import rmsnorm_quant_fwd_op
+
+        rsigma, a, _, _ = rmsnorm_quant_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, "bf16",
+                                               cfg.scale_mode, save)
+        return rsigma, (a,), (a,) if save else ()
+
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
+        if not use_triton:
+            row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
+            return (row,), (col,)
+        from ..ops import rope_quant_op
+
+        g = rope_quant_op(dq2d, cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim,
+                          cfg.rope_style, True, "bf16", False, cfg.scale_mode)[0]
+        return (g,), (g,)
+
+    def _xn_image(self, saved, use_triton):
+        return saved[0]
