@@ -20,6 +20,14 @@ REL_ERR_BF16 = 3e-2
 REL_ERR_MXFP8 = 0.15
 REL_ERR_FP8_BLOCK = 0.08
 MIN_CODE_MATCH = 0.999
+# FP8 tensor cores (sm_90 QGMMA) keep fewer accumulator bits than fp32 inside each 128-long block (DeepSeek-V3's
+# reason to promote once per block), so a GEMM output next to a rounding boundary flips more often than under an fp32
+# summation-order change: 0.993-0.997 identical codes measured on an H200 (fused fp8_block GEMM vs the fp32
+# reference); the scale bytes and the decoded values keep the same-quantization bounds
+MIN_CODE_MATCH_FP8_TC = 0.99
+# the same FP8 GEMM split differently (head groups, tensor-parallel shards): its blocks' reduced-precision
+# accumulation changes with the split (H200: 1.2e-4 relative on dxn)
+REL_ERR_FP8_TC_ORDER = 1e-3
 REL_ERR_SAME_QUANT = 1e-2
 REL_ERR_BF16_ROUNDING = 2.0**-8
 # the same fp32 values summed in another order (a tensor-parallel reduction): a few fp32 ulps
@@ -65,10 +73,12 @@ def rel_err_bound(precision: str, output_format: str = "bf16") -> float:
     return REL_ERR_FP8_BLOCK if precision == "fp8_block" else REL_ERR_BF16
 
 
-def assert_mxfp8_close(data_a, scale_a, dense_a, data_b, scale_b, dense_b, label: str) -> None:
-    """Same quantization, different fp32 summation order: >= MIN_CODE_MATCH identical codes and scale bytes,
-    and the dense decodes within REL_ERR_SAME_QUANT."""
+def assert_mxfp8_close(data_a, scale_a, dense_a, data_b, scale_b, dense_b, label: str,
+                       min_codes: float = MIN_CODE_MATCH) -> None:
+    """Same quantization, different fp32 summation order: >= min_codes identical codes (MIN_CODE_MATCH_FP8_TC when
+    one side ran on FP8 tensor cores), >= MIN_CODE_MATCH identical scale bytes, and the dense decodes within
+    REL_ERR_SAME_QUANT."""
     codes, scales = code_match_fraction(data_a, data_b), code_match_fraction(scale_a, scale_b)
-    assert codes >= MIN_CODE_MATCH, f"{label}: only {codes:.5f} of the codes identical"
+    assert codes >= min_codes, f"{label}: only {codes:.5f} of the codes identical"
     assert scales >= MIN_CODE_MATCH, f"{label}: only {scales:.5f} of the scale bytes identical"
     assert_rel_err(dense_a.float(), dense_b.float(), REL_ERR_SAME_QUANT, f"{label} decoded")

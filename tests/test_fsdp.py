@@ -72,12 +72,15 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     try:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))  # CPU parameters also on a machine with a GPU
 
         result = {}
         for output_format in FORMATS:
             m = _model(output_format)
-            fully_shard(m)
+            fully_shard(m, mesh=mesh)
             opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
             views = []
             with warnings.catch_warnings(record=True) as records:

@@ -20,7 +20,11 @@ from mla_qproj.reference.mxfp8 import dequantize_columnwise
 from mla_qproj.reference.rope import apply_rope, apply_rope_inverse
 
 from _tolerances import (
+    MIN_CODE_MATCH,
+    MIN_CODE_MATCH_FP8_TC,
     REL_ERR_BF16_ROUNDING,
+    REL_ERR_FP8_TC_ORDER,
+    REL_ERR_REDUCTION_ORDER,
     REL_ERR_SAME_QUANT,
     assert_mxfp8_close,
     assert_rel_err,
@@ -96,14 +100,17 @@ def check_backends_agree(K, H, nope, R, T, precision, output_format, columnwise,
     qt, dt, gt, dy = run(lt, x, cos, sin)
     qr, dr, gr, _ = run(lr, x, cos, sin, dy=dy)
     assert type(qt) is type(qr) and qt.shape == qr.shape == (T // 2, 2, H, nope + R)
+    # compiled fp8_block runs on FP8 tensor cores (reduced-precision accumulation inside each 128-block)
+    min_codes = MIN_CODE_MATCH_FP8_TC if precision == "fp8_block" and DEV.type == "cuda" else MIN_CODE_MATCH
     if output_format == "mxfp8":
         assert isinstance(qt, MXFP8Tensor)
-        assert_mxfp8_close(qt.rowwise_data, qt.rowwise_scale, dt, qr.rowwise_data, qr.rowwise_scale, dr, "rowwise")
+        assert_mxfp8_close(qt.rowwise_data, qt.rowwise_scale, dt, qr.rowwise_data, qr.rowwise_scale, dr, "rowwise",
+                           min_codes)
         if columnwise:
             ct = dequantize_columnwise(qt.columnwise_data, qt.columnwise_scale)
             cr = dequantize_columnwise(qr.columnwise_data, qr.columnwise_scale)
             assert_mxfp8_close(qt.columnwise_data, qt.columnwise_scale, ct, qr.columnwise_data,
-                               qr.columnwise_scale, cr, "columnwise")
+                               qr.columnwise_scale, cr, "columnwise", min_codes)
         else:
             assert qt.columnwise_data is None and qr.columnwise_data is None
     else:
@@ -452,8 +459,10 @@ def test_backward_head_groups(precision, use_main_grad, monkeypatch):
     else:
         _, _, g4, _ = run(layer, x, cos, sin, dy=dy)
     assert torch.equal(g4["dweight"].float(), g1["dweight"].float()), "dW row blocks must not depend on grouping"
-    assert_rel_err(g4["dx"], g1["dx"], 1e-5, "dx grouped vs ungrouped")
-    assert_rel_err(g4["dnorm_weight"], g1["dnorm_weight"], 1e-5, "dnorm_weight grouped vs ungrouped")
+    # fp32 summation order only; compiled fp8_block also splits the FP8 dgrad GEMM differently
+    bound = REL_ERR_FP8_TC_ORDER if precision == "fp8_block" and DEV.type == "cuda" else REL_ERR_REDUCTION_ORDER
+    assert_rel_err(g4["dx"], g1["dx"], bound, "dx grouped vs ungrouped")
+    assert_rel_err(g4["dnorm_weight"], g1["dnorm_weight"], bound, "dnorm_weight grouped vs ungrouped")
 
 
 @pytest.mark.parametrize("output_format", ["mxfp8", "bf16"])

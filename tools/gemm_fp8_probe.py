@@ -44,6 +44,9 @@ CANDIDATES = {
     "m64_s4_ptr": dict(BLOCK_M=64, num_warps=8, num_stages=4, TMA_STORE=False, FLATTEN=True),
     "m128_s3": dict(BLOCK_M=128, num_warps=8, num_stages=3),
     "m128_s4": dict(BLOCK_M=128, num_warps=8, num_stages=4),
+    "m128_w16_s3": dict(BLOCK_M=128, num_warps=16, num_stages=3),
+    "m128_w16_s4": dict(BLOCK_M=128, num_warps=16, num_stages=4),
+    "m64_w4_s4": dict(BLOCK_M=64, num_warps=4, num_stages=4),
 }
 MODES = {"bf16": ("bf16", False), "mxfp8 row": ("mxfp8", False), "mxfp8 row+col": ("mxfp8", True)}
 _log = None
