@@ -22,3 +22,21 @@ def test_exits_nonzero_without_gpu(module):
     out = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "no CUDA GPU" in out.stderr, out.stderr
+
+
+def test_bench_tp_gloo_smoke(tmp_path):
+    """The multi-GPU benchmark's code path on two gloo ranks (CPU, tiny shape, no timing claims): it runs every row
+    and reports the bytes each collective moves per token."""
+    import os
+
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # the reference backend: quick on the CPU
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                          "mla_qproj.bench_tp", "--device", "cpu", "--tokens", "512", "--heads", "4", "--k", "128",
+                          "--no-compile", "--warmup", "1", "--rep", "1", "--results", str(tmp_path / "r.jsonl"),
+                          "--precisions", "fp8_block,mxfp8,bf16"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    for row in ("megatron_unfused", "ours_fp8_block", "ours_mxfp8_tp1", "gather_bf16"):
+        assert row in out.stdout, out.stdout
+    assert "132, 132, 512" in out.stdout, "fp8_block at K = 128: 128 code bytes + one fp32 scale per token"
+    assert (tmp_path / "r.jsonl").read_text().count("\n") == 1
