@@ -1,8 +1,9 @@
-"""mla_qproj: fused RMSNorm + MXFP8 query up-projection + RoPE for Multi-head Latent Attention."""
+"""mla_qproj: the Multi-head Latent Attention query path (RMSNorm -> query up-projection -> RoPE) as one fused layer,
+in MXFP8, block-scaled FP8 (DeepSeek-V3) or bf16."""
 
 from .module import FusedMLAQUpProjection
-from .quantize import mxfp8_quantize
+from .quantize import fp8_block_quantize, mxfp8_quantize
 from .tensor import MXFP8Tensor
 
-__version__ = "0.1.0"
-__all__ = ["FusedMLAQUpProjection", "MXFP8Tensor", "mxfp8_quantize", "__version__"]
+__version__ = "0.2.0"
+__all__ = ["FusedMLAQUpProjection", "MXFP8Tensor", "fp8_block_quantize", "mxfp8_quantize", "__version__"]

@@ -13,6 +13,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mla_qproj import fp8_block_quantize
 from mla_qproj._config import QProjConfig
 from mla_qproj.kernels._common import cdiv
 from mla_qproj.kernels._fp8_block import fp8_block_scale
@@ -21,7 +22,6 @@ from mla_qproj.kernels.rmsnorm_fp8_block import RMSNormFp8BlockConfig, rmsnorm_f
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
 from mla_qproj.kernels.rope_fp8_block import RopeFp8BlockConfig, fast_unit, rope_fp8_block_bwd, rope_fp8_block_bwd_op
 from mla_qproj.kernels.rope_fp8_block import default_config as default_rope_config
-from mla_qproj.quantize_fp8_block import fp8_block_quantize
 from mla_qproj.reference import fp8_block as F
 
 from _tolerances import assert_bytes_equal
