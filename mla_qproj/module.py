@@ -139,7 +139,9 @@ class FusedMLAQUpProjection(nn.Module):
         """Wrap an existing RMSNorm and bias-free Linear, sharing (not copying) their weights.
 
         eps comes from the norm's `eps` or `variance_epsilon` (unless given); q_head_dim defaults to
-        linear.out_features // num_heads. Raises ValueError when the shapes do not fit.
+        linear.out_features // num_heads. With `tp_group` the linear is this rank's column-parallel shard
+        (Megatron's ColumnParallelLinear: out_features = num_heads / tp * q_head_dim) and num_heads is the global
+        count. Raises ValueError when the shapes do not fit.
         """
         nw = getattr(norm, "weight", None)
         lw = getattr(linear, "weight", None)
@@ -158,11 +160,15 @@ class FusedMLAQUpProjection(nn.Module):
             if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
                 eps = torch.finfo(nw.dtype).eps
             kwargs["eps"] = float(eps)
-        if not isinstance(num_heads, int) or num_heads <= 0 or lw.shape[0] % num_heads:
-            raise ValueError(f"linear out_features ({lw.shape[0]}) must be a multiple of num_heads ({num_heads})")
-        kwargs.setdefault("q_head_dim", lw.shape[0] // num_heads)
-        if kwargs["q_head_dim"] * num_heads != lw.shape[0]:
-            raise ValueError(f"num_heads * q_head_dim must equal linear out_features ({lw.shape[0]})")
+        # with tensor parallelism the linear is Megatron's column-parallel shard: its rows are this rank's heads
+        tp = Parallel.make(kwargs.get("tp_group"), kwargs.get("sequence_parallel", False))
+        tp = 1 if tp is None else tp.world
+        if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % tp or lw.shape[0] % (num_heads // tp):
+            raise ValueError(f"linear out_features ({lw.shape[0]}) must be a multiple of the local head count "
+                             f"(num_heads {num_heads} / tp {tp})")
+        kwargs.setdefault("q_head_dim", lw.shape[0] // (num_heads // tp))
+        if kwargs["q_head_dim"] * (num_heads // tp) != lw.shape[0]:
+            raise ValueError(f"num_heads / tp * q_head_dim must equal linear out_features ({lw.shape[0]})")
         # built on the meta device: its own parameters are replaced at once, so they are never allocated
         layer = cls(lw.shape[1], num_heads, qk_head_dim, qk_pos_emb_head_dim, device="meta", dtype=lw.dtype,
                     **kwargs)

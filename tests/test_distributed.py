@@ -106,6 +106,41 @@ def _check_norm_weight_sequence_parallel_attribute(rank: int, world: int) -> Non
     assert not torch.allclose(tp.norm_weight.grad, full.norm_weight.grad), "the local gradient should be partial"
 
 
+def _check_from_modules_and_compile(rank: int, world: int) -> None:
+    """Megatron's layout (a column-parallel linear's local rows, the full norm) through from_modules; the
+    sequence-parallel layer compiled (aot_eager, fullgraph: the functional collectives are in the graph) gives the
+    eager bytes and gradients."""
+    from torch import nn
+
+    torch.manual_seed(7)
+    hl = H // world
+    norm, lin_full = nn.RMSNorm(K, eps=1e-6), nn.Linear(K, H * D, bias=False)
+    lin = nn.Linear(K, hl * D, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(lin_full.weight[rank * hl * D:(rank + 1) * hl * D])
+        norm.weight.uniform_(0.5, 1.5)
+    kw = dict(num_heads=H, qk_head_dim=NOPE, qk_pos_emb_head_dim=R, precision="bf16", output_format="bf16",
+              backend="torch")
+    tp = FusedMLAQUpProjection.from_modules(norm, lin, tp_group=dist.group.WORLD, sequence_parallel=True, **kw)
+    full = FusedMLAQUpProjection.from_modules(norm, lin_full, **kw)
+    assert tp.weight is lin.weight and tp.norm_weight is norm.weight and tp.cfg.num_heads == hl
+    s = 64 * world
+    x, dy, pos = torch.randn(s, K), torch.randn(s, hl, D), torch.arange(s)
+    sl = slice(rank * s // world, (rank + 1) * s // world)
+    assert_bytes_equal(tp(x[sl], position_ids=pos), full(x, position_ids=pos)[:, rank * hl:(rank + 1) * hl],
+                       "from_modules query")
+    compiled = torch.compile(tp, backend="aot_eager", fullgraph=True)
+    grads = []
+    for f in (tp, compiled):
+        xx = x[sl].clone().requires_grad_(True)
+        q = f(xx, position_ids=pos)
+        q.float().backward(dy)
+        grads.append((q.detach(), xx.grad, lin.weight.grad.clone(), norm.weight.grad.clone()))
+        lin.weight.grad = norm.weight.grad = None
+    for (a, b), label in zip(zip(*grads, strict=True), ("q", "dx", "dW", "dnorm_weight"), strict=True):
+        assert_bytes_equal(a, b, f"compiled vs eager {label}")
+
+
 def _worker(rank: int, world: int, port: int, cases: list, errdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
@@ -114,6 +149,7 @@ def _worker(rank: int, world: int, port: int, cases: list, errdir: str) -> None:
         for case in cases:
             _check_case(rank, world, *case)
         _check_norm_weight_sequence_parallel_attribute(rank, world)
+        _check_from_modules_and_compile(rank, world)
     except Exception:
         with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as fh:
             fh.write(traceback.format_exc())
