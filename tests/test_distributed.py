@@ -46,9 +46,9 @@ def _q_fields(q):
 
 
 def _check_case(rank: int, world: int, precision: str, output_format: str, columnwise: bool, sp: bool,
-                backend: str) -> None:
-    tag = f"[world={world} rank={rank} {precision}/{output_format} col={columnwise} sp={sp} {backend}]"
-    dev = torch.device("cpu")
+                backend: str, dev: str = "cpu") -> None:
+    tag = f"[world={world} rank={rank} {precision}/{output_format} col={columnwise} sp={sp} {backend} {dev}]"
+    dev = torch.device(dev)
     kw = dict(precision=precision, output_format=output_format, columnwise_output=columnwise, backend=backend,
               device=dev)
     torch.manual_seed(1234)  # the same parameters and inputs on every rank
@@ -56,9 +56,9 @@ def _check_case(rank: int, world: int, precision: str, output_format: str, colum
     with torch.no_grad():
         full.norm_weight.copy_(1 + 0.2 * torch.randn(K))
     s, b = 64 * world, 2  # [s, b] tokens; a rank's slice along s holds 128 tokens (a whole fp8_block column block)
-    x = torch.randn(s, b, K)
-    dy = torch.randn(s, b, H, D)
-    pos = torch.arange(s)[:, None].expand(s, b)
+    x = torch.randn(s, b, K).to(dev)
+    dy = torch.randn(s, b, H, D).to(dev)
+    pos = torch.arange(s, device=dev)[:, None].expand(s, b)
     tp = FusedMLAQUpProjection(K, H, NOPE, R, tp_group=dist.group.WORLD, sequence_parallel=sp, **kw)
     hl = H // world
     rows = slice(rank * hl * D, (rank + 1) * hl * D)
@@ -141,15 +141,18 @@ def _check_from_modules_and_compile(rank: int, world: int) -> None:
         assert_bytes_equal(a, b, f"compiled vs eager {label}")
 
 
-def _worker(rank: int, world: int, port: int, cases: list, errdir: str) -> None:
+def _worker(rank: int, world: int, port: int, cases: list, errdir: str, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         for case in cases:
             _check_case(rank, world, *case)
-        _check_norm_weight_sequence_parallel_attribute(rank, world)
-        _check_from_modules_and_compile(rank, world)
+        if backend == "gloo":
+            _check_norm_weight_sequence_parallel_attribute(rank, world)
+            _check_from_modules_and_compile(rank, world)
     except Exception:
         with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as fh:
             fh.write(traceback.format_exc())
@@ -165,6 +168,19 @@ def test_tensor_and_sequence_parallel_match_tp1(world, tmp_path):
     except mp.ProcessRaisedException:
         errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
         pytest.fail(f"a rank failed:\n{errs}")
+
+
+@pytest.mark.gpu
+def test_nccl_path_world_size_one(tmp_path):
+    """The NCCL code path (CUDA tensors, the compiled kernels, cuBLAS blockwise GEMMs) at the world size one GPU
+    allows: sequence parallelism over one rank must give the tp = 1 bytes."""
+    cases = [(p, o, o == "mxfp8" and p != "bf16", True, "auto", "cuda") for p in ("bf16", "mxfp8", "fp8_block")
+             for o in ("bf16", "mxfp8")]
+    try:
+        mp.spawn(_worker, args=(1, _free_port(), cases, str(tmp_path), "nccl"), nprocs=1, join=True)
+    except mp.ProcessRaisedException:
+        errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
+        pytest.fail(f"the rank failed:\n{errs}")
 
 
 def test_construction_errors():
