@@ -35,12 +35,13 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
-    BLOCK_N,
-    HALF_N,
+    HALF_WIDTHS,
     GemmConfig,
     _column_maps,
     default_config,
     fused_gemm_supported,
+    fused_half_width,
+    fused_layout,
     fused_row_source,
     prepare_fused_weight,
     prepare_fused_weight_fp8,
@@ -207,21 +208,30 @@ def test_empty_T(device):
     assert rd.shape == (0, 2, 192) and rs.shape == (0, 2, 6) and cd.shape == (0, 2, 192) and cs.shape == (0, 2, 192)
 
 
+@pytest.mark.parametrize("hb", HALF_WIDTHS)
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("geo", [(64, 3, 128, 64, 192), (64, 5, 32, 32, 96), (64, 3, 24, 20, 50)])
-def test_column_maps_are_permutations(style, geo):
-    """W' rows are an exact permutation of W's rows (plus zero padding), and the outputs a permutation of columns."""
+def test_column_maps_are_permutations(style, geo, hb):
+    """W' rows are an exact permutation of W's rows (plus zero padding) in tiles of 2·hb rows, and the outputs a
+    permutation of columns; a rope tile's halves hold the two members of the same pairs."""
     fmt = "bf16" if geo[4] % 32 or (style != "gptj" and geo[3] % 64) else "mxfp8"
     cfg = _cfg(*geo, style, fmt)
-    src, out = _column_maps(cfg)
-    N = cfg.out_features
+    src, out = _column_maps(cfg, hb)
+    N, (H, P, R, D) = cfg.out_features, geo[1:]
     for label, m in (("src", src), ("out", out)):
         v = m[m >= 0]
         assert torch.equal(v.sort().values, torch.arange(N)), f"{label} map is not a permutation"
-    assert torch.equal(src < 0, out < 0) and src.numel() % BLOCK_N == 0
-    assert torch.equal(fused_row_source(cfg), src)
+    nt_pass, nt_rope, rows = fused_layout(cfg, hb)
+    assert torch.equal(src < 0, out < 0) and src.numel() == rows == (nt_pass + nt_rope) * 2 * hb
+    assert nt_pass == -(-H * (D - R) // (2 * hb)) and nt_rope == -(-H * (R // 2) // hb)
+    lo, hi = src.reshape(-1, 2, hb)[nt_pass:].unbind(1)  # rope tiles' halves: same head, same pair
+    real = lo >= 0
+    a, b = lo[real] % D - P, hi[real] % D - P
+    assert torch.equal(lo[real] // D, hi[real] // D)
+    assert torch.equal(b - a, torch.full_like(a, R // 2)) if style == "neox" else torch.equal(b - a, a * 0 + 1)
+    assert torch.equal(fused_row_source(cfg, "bf16", hb), src)
     w = torch.randn(N, 64).bfloat16()
-    wp = prepare_fused_weight(w, cfg)
+    wp = prepare_fused_weight(w, cfg, hb=hb)
     assert torch.equal(wp[src >= 0], w[src[src >= 0]])
     assert (wp[src < 0] == 0).all()
     assert_bytes_equal(prepare_fused_weight(w, cfg, src=src), wp, "W' from a precomputed src")
@@ -306,9 +316,10 @@ def _fp8_blocks(x: torch.Tensor, bm: int, bn: int, block_scale: str = "pow2") ->
     return (x.float() * s).clamp(-448.0, 448.0).to(F8), 1.0 / scale
 
 
-def _fp8_case(T, cfg, device, block_scale="pow2", nan_token=None):
+def _fp8_case(T, cfg, device, block_scale="pow2", nan_token=None, other_hb=None):
     """Kernel operands from random x (1x128 blocks) and W (128x128 tiles), and the reference output tuple:
-    y = sum over K blocks of (A_kb · W_kbᵀ) · sa · sw in fp32, then RoPE and `quantize_output`."""
+    y = sum over K blocks of (A_kb · W_kbᵀ) · sa · sw in fp32, then RoPE and `quantize_output`. W' has the default
+    half width; other_hb: also return the same operands with W' laid out for that half width, as a 4th entry."""
     K, N = cfg.q_lora_rank, cfg.out_features
     a, sa = _fp8_blocks(torch.randn(T, K, device=device), 1, 128, block_scale)  # sa [T, K/128]
     if nan_token is not None:
@@ -325,7 +336,11 @@ def _fp8_case(T, cfg, device, block_scale="pow2", nan_token=None):
                    cfg.rope_style)
     wp, wps = prepare_fused_weight_fp8(w, sw, cfg)
     args = (a, wp, cos_h, sin_h, cfg)
-    return args, dict(a_scale_inv=sa.t().contiguous(), w_scale_inv=wps), quantize_output(y, cfg)
+    case = args, dict(a_scale_inv=sa.t().contiguous(), w_scale_inv=wps), quantize_output(y, cfg)
+    if other_hb is None:
+        return case
+    wp2, wps2 = prepare_fused_weight_fp8(w, sw, cfg, hb=other_hb)
+    return *case, ((a, wp2, cos_h, sin_h, cfg), dict(case[1], w_scale_inv=wps2))
 
 
 def _check_fp8(out, ref, cfg, min_codes=None, bf16_bound=REL_ERR_BF16_ROUNDING):
@@ -381,14 +396,18 @@ def test_fp8_awkward_cases(name, device):
 
 
 def test_fp8_configs_same_bytes(device):
-    """Launch configs change nothing in the bytes: TMA stores, the plain tile loop, gathered pair tables, [64, 256]
-    tiles, against the default (T = 40: partial tiles either way)."""
+    """Launch configs change nothing in the bytes: TMA stores, the plain tile loop, gathered pair tables, [64, 128]
+    and [128, 128] tiles, and HB = 128 ([64, 256] tiles, on a W' laid out for it), against the default
+    (HB = 64; T = 40: partial tiles either way)."""
     cfg = _cfg(128, 3, 128, 64, 192, "deepseek", "mxfp8", True)
-    args, scales, ref = _fp8_case(40, cfg, device)
+    args, scales, ref, (args128, scales128) = _fp8_case(40, cfg, device, other_hb=128)
     base = qproj_gemm_fwd(*args, **scales)
     _check_fp8(base, ref, cfg)
-    for changes in (dict(TMA_STORE=True), dict(FLATTEN=False, ROPE_BCAST=False), dict(BLOCK_M=64, num_warps=8)):
-        out = qproj_gemm_fwd(*args, **scales, config=_fp8_config(40, cfg, device, **changes))
+    assert default_config(40, device, cfg, "fp8_block").HB == fused_half_width(cfg, "fp8_block") == 64
+    for changes in (dict(TMA_STORE=True), dict(FLATTEN=False, ROPE_BCAST=False), dict(BLOCK_M=64, num_warps=8),
+                    dict(BLOCK_M=128), dict(HB=128), dict(HB=128, BLOCK_M=64, TMA_STORE=True)):
+        a, sc = (args128, scales128) if changes.get("HB") == 128 else (args, scales)
+        out = qproj_gemm_fwd(*a, **sc, config=_fp8_config(40, cfg, device, **changes))
         for i, (o, b) in enumerate(zip(out, base, strict=True)):
             assert_bytes_equal(o, b, f"{changes} output {i}")
 
@@ -414,22 +433,26 @@ def test_fp8_nan_code(device):
         assert code_match_fraction(db[~nan], eb[~enan]) >= min_codes, f"{label} data"
 
 
+@pytest.mark.parametrize("hb", [None, *HALF_WIDTHS])
 @pytest.mark.parametrize("style,geo", [("deepseek", (3, 128, 64, 192)), ("gptj", (5, 32, 32, 96)),
                                        ("neox", (3, 0, 64, 64))])
-def test_prepare_fused_weight_fp8_exact(style, geo, device):
-    """W' codes and scale_inv against a direct gather: within each 256-row tile of the bf16 order, rows
-    [lo 0:64 | lo 64:128 | hi 0:64 | hi 64:128] become [lo 0:64 | hi 0:64 | lo 64:128 | hi 64:128]; the scale_inv of
-    row r for K block kb is W's tile scale_inv [src(r) // 128, kb]; padding rows code 0, scale 0."""
+def test_prepare_fused_weight_fp8_exact(style, geo, hb, device):
+    """W' codes and scale_inv against a direct gather: within each 2·hb-row tile of the bf16 order, rows
+    [lo 0:hb/2 | lo hb/2:hb | hi 0:hb/2 | hi hb/2:hb] become [lo 0:hb/2 | hi 0:hb/2 | lo hb/2:hb | hi hb/2:hb]; the
+    scale_inv of row r for K block kb is W's tile scale_inv [src(r) // 128, kb]; padding rows code 0, scale 0.
+    hb None: the default, 64 for fp8_block operands."""
     H, P, R, D = geo
     cfg = _cfg(256, H, P, R, D, style)
     N = cfg.out_features
     w = (torch.randn(N, 256, device=device) * 40).to(F8)
     sw = torch.rand(-(-N // 128), 2, device=device) + 0.5
-    wp, wps = prepare_fused_weight_fp8(w, sw, cfg)
-    src16 = _column_maps(cfg)[0]
+    wp, wps = prepare_fused_weight_fp8(w, sw, cfg, hb=hb)
+    hb = 64 if hb is None else hb
+    src16 = _column_maps(cfg, hb)[0]
+    assert src16.numel() == fused_layout(cfg, hb)[2] == wp.shape[0]
     r = torch.arange(src16.numel())
-    tile, g, h, j = r // BLOCK_N, (r // HALF_N) % 2, (r // (HALF_N // 2)) % 2, r % (HALF_N // 2)
-    src = src16[tile * BLOCK_N + h * HALF_N + g * (HALF_N // 2) + j].to(device)  # W row of W' row r
+    tile, g, h, j = r // (2 * hb), (r // hb) % 2, (r // (hb // 2)) % 2, r % (hb // 2)
+    src = src16[tile * 2 * hb + h * hb + g * (hb // 2) + j].to(device)  # W row of W' row r
     valid = src >= 0
     exp_codes = torch.zeros(src.numel(), 256, dtype=torch.uint8, device=device)
     exp_codes[valid] = w.view(torch.uint8)[src[valid]]
@@ -438,7 +461,7 @@ def test_prepare_fused_weight_fp8_exact(style, geo, device):
     assert wp.dtype == F8 and wps.dtype == torch.float32 and wps.is_contiguous() and wp.is_contiguous()
     assert_bytes_equal(wp.view(torch.uint8), exp_codes, "W' codes")
     assert_bytes_equal(wps, exp_s, "W' scale_inv")
-    assert torch.equal(fused_row_source(cfg, "fp8_block").to(device), src)
+    assert torch.equal(fused_row_source(cfg, "fp8_block", hb).to(device), src)
     for o, e in zip(prepare_fused_weight_fp8(w, sw, cfg, src=src), (wp, wps), strict=True):
         assert_bytes_equal(o, e, "W' from a precomputed src")
 
