@@ -374,6 +374,7 @@ FP8_AWKWARD = {  # T, K, (H, P, R, D), style, (fmt, col), scale_mode, block_scal
     "gptj_R32_trailing": (40, 128, (5, 32, 32, 96), "gptj", ("mxfp8", True), "floor", "fp32"),
     "no_pass_through": (40, 128, (3, 0, 64, 64), "neox", ("mxfp8", True), "rceil", "pow2"),
     "bf16_odd_geometry": (37, 128, (3, 24, 20, 50), "gptj", ("bf16", False), "rceil", "fp32"),
+    "rope_gather_R256": (20, 128, (2, 64, 256, 320), "deepseek", ("mxfp8", True), "rceil", "pow2"),  # R/2 > HB
 }
 
 
@@ -414,6 +415,72 @@ def test_fp8_configs_same_bytes(device):
 
 def _fp8_config(T, cfg, device, **changes) -> GemmConfig:
     return dataclasses.replace(default_config(T, device, cfg, "fp8_block"), **changes)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_fp8_half_width_128(style, device):
+    """HB = 128 ([BLOCK_M, 256] tiles, the half width before fp8_block operands took 64) on a W' laid out for it:
+    the reference's output, and the same bytes as the default HB = 64 (T = 45: partial tiles; H = 5: a partial
+    rope tile at HB = 128 and several at 64)."""
+    cfg = _cfg(128, 5, 32, 64, 128, style, "mxfp8", True, "floor")
+    args, scales, ref, (args128, scales128) = _fp8_case(45, cfg, device, "fp32", other_hb=128)
+    assert fused_layout(cfg, 128)[2] != fused_layout(cfg, 64)[2]  # the layouts differ: W' rows 1280 vs 768
+    out = qproj_gemm_fwd(*args128, **scales128, config=_fp8_config(45, cfg, device, HB=128))
+    _check_fp8(out, ref, cfg)
+    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(*args, **scales), strict=True)):
+        assert_bytes_equal(o, b, f"HB = 128 vs 64 output {i}")
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_bf16_operands_half_width_64(style, device):
+    """The bf16-operand kernel with HB = 64 (not its default) on a W' laid out for it: the reference's output and
+    the default (HB = 128) bytes; BLOCK_M = 64 and the TMA stores where the geometry has them."""
+    cfg = _cfg(64, 3, 64, 64, 128, style, "mxfp8", True)
+    a, w, c, s, ref = _case(37, cfg, device)
+    config = _config(37, cfg, device, HB=64, BLOCK_M=64, TMA_STORE=style != "gptj", FLATTEN=True)
+    assert tma_store_supported(cfg, 64) == (style != "gptj") and default_config(37, device, cfg).HB == 128
+    out = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg, hb=64), c, s, cfg, config=config)
+    _check(out, ref, cfg)
+    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, prepare_fused_weight(w, cfg), c, s, cfg), strict=True)):
+        assert_bytes_equal(o, b, f"HB = 64 vs 128 output {i}")
+
+
+def test_half_width_layout_and_errors(device, monkeypatch):
+    """The half width is fixed per (geometry, operands) and every layout helper and check follows it."""
+    from mla_qproj.kernels import qproj_gemm
+
+    monkeypatch.setattr(qproj_gemm, "_num_sms", lambda index: 132)  # the GPU chooser, without a GPU
+    monkeypatch.setattr(qproj_gemm, "_DEFAULT_CONFIGS", {})
+    cfg = _cfg(128, 2, 128, 64, 192)  # N = 384: W' has 512 rows at HB = 128, 384 at HB = 64
+    assert fused_half_width(cfg) == 128 and fused_half_width(cfg, "fp8_block") == 64
+    assert [fused_layout(cfg, hb) for hb in (128, 64)] == [(1, 1, 512), (2, 1, 384)]
+    for T in (1, 64, 65, 20000):  # every T bucket: the same half width (the layer lays W' out once)
+        for operands in ("bf16", "fp8_block"):
+            for dev in (device, torch.device("cuda")):
+                assert default_config(T, dev, cfg, operands).HB == fused_half_width(cfg, operands)
+    with pytest.raises(ValueError, match="operands must be one of"):
+        fused_half_width(cfg, "fp8")
+    with pytest.raises(ValueError, match="half width must be one of"):
+        fused_row_source(cfg, "fp8_block", 96)
+    p64 = _cfg(128, 2, 64, 64, 128)  # TMA stores: a pass-through half must not straddle a head's P columns
+    assert tma_store_supported(p64, 64) and not tma_store_supported(p64, 128)
+    args, scales, _, (args128, scales128) = _fp8_case(8, cfg, device, other_hb=128)
+    with pytest.raises(ValueError, match=r"w_prepared must be \[384, 128\] \(from prepare_fused_weight_fp8 with half"):
+        qproj_gemm_fwd(*args128, **scales128)  # a W' for HB = 128 with the default config (HB = 64)
+    with pytest.raises(ValueError, match=r"w_prepared must be \[512, 128\]"):
+        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, HB=128))
+    with pytest.raises(ValueError, match="config.HB must be one of"):
+        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, HB=32))
+    with pytest.raises(ValueError, match="config.BLOCK_M must be a multiple of 32"):
+        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, BLOCK_M=16))
+    (a, _, c, s, _), w = args, torch.randn(p64.out_features, 128, device=device).bfloat16()
+    with pytest.raises(ValueError, match="TMA_STORE does not cover this geometry with HB = 128"):
+        qproj_gemm_fwd(a.float().bfloat16(), prepare_fused_weight(w, p64), c, s, p64,
+                       config=_config(8, p64, device, TMA_STORE=True))
+    r256 = _cfg(128, 2, 64, 256, 320)  # R/2 = 128 does not divide HB = 64 (the config is checked first)
+    assert not default_config(8, device, r256, "fp8_block").ROPE_BCAST
+    with pytest.raises(ValueError, match="ROPE_BCAST needs R/2 a power of two dividing 64"):
+        qproj_gemm_fwd(*args[:4], r256, **scales, config=_fp8_config(8, r256, device, ROPE_BCAST=True))
 
 
 def test_fp8_nan_code(device):
@@ -573,14 +640,18 @@ def test_fp8_deepseek_v3_size(fmt, col, T, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,col", OUT_MODES)
 def test_fp8_configs_same_bytes_gpu(fmt, col, device):
-    """Pipeline depth and the store path change no arithmetic: the same bytes as the default config at T = 16384
-    (TMA stores on by default there) with 3 stages and with pointer stores."""
+    """Pipeline depth, the store path and the tile shape change no arithmetic: the same bytes as the default config
+    ([128, 128] tiles, HB = 64) at T = 16384 (TMA stores on by default there) with 3 stages, with pointer stores and
+    the flattened loop, with the small-T [64, 128] tile on one warpgroup, and with HB = 128 ([64, 256] tiles on a W'
+    laid out for it). The tensor core's rounding inside a 128-block must not depend on the wgmma's N (128 vs 256)."""
     T = 16384
     cfg = _cfg(**DEEPSEEK, fmt=fmt, col=col)
-    args, scales, _ = _fp8_case(T, cfg, device)
+    args, scales, _, (args128, scales128) = _fp8_case(T, cfg, device, other_hb=128)
     base = qproj_gemm_fwd(*args, **scales)
-    for changes in (dict(num_stages=3), dict(TMA_STORE=False, FLATTEN=True)):
-        out = qproj_gemm_fwd(*args, **scales, config=_fp8_config(T, cfg, device, **changes))
+    for changes in (dict(num_stages=3), dict(TMA_STORE=False, FLATTEN=True), dict(BLOCK_M=64, num_warps=4),
+                    dict(HB=128, BLOCK_M=64, num_warps=8, FLATTEN=fmt != "bf16")):  # Triton 3.6: bf16 TMA
+        a, sc = (args128, scales128) if changes.get("HB") == 128 else (args, scales)
+        out = qproj_gemm_fwd(*a, **sc, config=_fp8_config(T, cfg, device, **changes))
         for i, (o, b) in enumerate(zip(out, base, strict=True)):
             if b is not None:
                 assert_bytes_equal(o, b, f"{changes} output {i}")
