@@ -168,21 +168,3 @@ def test_compile_emits_no_warnings_of_ours(precision, output_format, monkeypatch
         _dense(compiled(x, cos, sin)).backward(torch.randn(33, _FUSED[1], _FUSED[4], device=DEVICE))
     assert _warnings_of_ours(records) == []
     assert x.grad is not None and layer.weight.grad is not None and layer.norm_weight.grad is not None
-
-
-@pytest.mark.parametrize("style, output_format", [("deepseek", "mxfp8"), ("gptj", "mxfp8"), ("neox", "bf16")])
-def test_prepare_fused_weight_op(style, output_format):
-    """The fused GEMM's weight layout as a custom op (so compile does not trace its host code): schema and fake
-    implementation, and the same rows as `prepare_fused_weight` with the layer's full config (the layout does
-    not depend on the scale mode or the columnwise output)."""
-    from mla_qproj import ops
-    from mla_qproj._config import QProjConfig
-    from mla_qproj.kernels.qproj_gemm import prepare_fused_weight
-
-    K, H, nope, R, D = _FUSED
-    w = torch.randn(H * D, K, device=DEVICE).to(torch.bfloat16)
-    args = (w, H, nope, R, D, style, output_format)
-    torch.library.opcheck(ops.prepare_fused_weight_op.op, args, test_utils=("test_schema", "test_faketensor"))
-    cfg = QProjConfig.make(K, H, nope, R, D, rope_style=style, output_format=output_format,
-                           columnwise_output=output_format == "mxfp8", scale_mode="floor")
-    assert_bytes_equal(ops.prepare_fused_weight_op.op(*args), prepare_fused_weight(w, cfg), "W'")

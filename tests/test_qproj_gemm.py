@@ -35,12 +35,13 @@ if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
-    BLOCK_N,
-    HALF_N,
+    HALF_WIDTHS,
     GemmConfig,
     _column_maps,
     default_config,
     fused_gemm_supported,
+    fused_half_width,
+    fused_layout,
     fused_row_source,
     prepare_fused_weight,
     prepare_fused_weight_fp8,
@@ -207,21 +208,30 @@ def test_empty_T(device):
     assert rd.shape == (0, 2, 192) and rs.shape == (0, 2, 6) and cd.shape == (0, 2, 192) and cs.shape == (0, 2, 192)
 
 
+@pytest.mark.parametrize("hb", HALF_WIDTHS)
 @pytest.mark.parametrize("style", STYLES)
 @pytest.mark.parametrize("geo", [(64, 3, 128, 64, 192), (64, 5, 32, 32, 96), (64, 3, 24, 20, 50)])
-def test_column_maps_are_permutations(style, geo):
-    """W' rows are an exact permutation of W's rows (plus zero padding), and the outputs a permutation of columns."""
+def test_column_maps_are_permutations(style, geo, hb):
+    """W' rows are an exact permutation of W's rows (plus zero padding) in tiles of 2·hb rows, and the outputs a
+    permutation of columns; a rope tile's halves hold the two members of the same pairs."""
     fmt = "bf16" if geo[4] % 32 or (style != "gptj" and geo[3] % 64) else "mxfp8"
     cfg = _cfg(*geo, style, fmt)
-    src, out = _column_maps(cfg)
-    N = cfg.out_features
+    src, out = _column_maps(cfg, hb)
+    N, (H, P, R, D) = cfg.out_features, geo[1:]
     for label, m in (("src", src), ("out", out)):
         v = m[m >= 0]
         assert torch.equal(v.sort().values, torch.arange(N)), f"{label} map is not a permutation"
-    assert torch.equal(src < 0, out < 0) and src.numel() % BLOCK_N == 0
-    assert torch.equal(fused_row_source(cfg), src)
+    nt_pass, nt_rope, rows = fused_layout(cfg, hb)
+    assert torch.equal(src < 0, out < 0) and src.numel() == rows == (nt_pass + nt_rope) * 2 * hb
+    assert nt_pass == -(-H * (D - R) // (2 * hb)) and nt_rope == -(-H * (R // 2) // hb)
+    lo, hi = src.reshape(-1, 2, hb)[nt_pass:].unbind(1)  # rope tiles' halves: same head, same pair
+    real = lo >= 0
+    a, b = lo[real] % D - P, hi[real] % D - P
+    assert torch.equal(lo[real] // D, hi[real] // D)
+    assert torch.equal(b - a, torch.full_like(a, R // 2)) if style == "neox" else torch.equal(b - a, a * 0 + 1)
+    assert torch.equal(fused_row_source(cfg, "bf16", hb), src)
     w = torch.randn(N, 64).bfloat16()
-    wp = prepare_fused_weight(w, cfg)
+    wp = prepare_fused_weight(w, cfg, hb=hb)
     assert torch.equal(wp[src >= 0], w[src[src >= 0]])
     assert (wp[src < 0] == 0).all()
     assert_bytes_equal(prepare_fused_weight(w, cfg, src=src), wp, "W' from a precomputed src")
@@ -306,9 +316,10 @@ def _fp8_blocks(x: torch.Tensor, bm: int, bn: int, block_scale: str = "pow2") ->
     return (x.float() * s).clamp(-448.0, 448.0).to(F8), 1.0 / scale
 
 
-def _fp8_case(T, cfg, device, block_scale="pow2", nan_token=None):
+def _fp8_case(T, cfg, device, block_scale="pow2", nan_token=None, other_hb=None):
     """Kernel operands from random x (1x128 blocks) and W (128x128 tiles), and the reference output tuple:
-    y = sum over K blocks of (A_kb · W_kbᵀ) · sa · sw in fp32, then RoPE and `quantize_output`."""
+    y = sum over K blocks of (A_kb · W_kbᵀ) · sa · sw in fp32, then RoPE and `quantize_output`. W' has the default
+    half width; other_hb: also return the same operands with W' laid out for that half width, as a 4th entry."""
     K, N = cfg.q_lora_rank, cfg.out_features
     a, sa = _fp8_blocks(torch.randn(T, K, device=device), 1, 128, block_scale)  # sa [T, K/128]
     if nan_token is not None:
@@ -325,7 +336,11 @@ def _fp8_case(T, cfg, device, block_scale="pow2", nan_token=None):
                    cfg.rope_style)
     wp, wps = prepare_fused_weight_fp8(w, sw, cfg)
     args = (a, wp, cos_h, sin_h, cfg)
-    return args, dict(a_scale_inv=sa.t().contiguous(), w_scale_inv=wps), quantize_output(y, cfg)
+    case = args, dict(a_scale_inv=sa.t().contiguous(), w_scale_inv=wps), quantize_output(y, cfg)
+    if other_hb is None:
+        return case
+    wp2, wps2 = prepare_fused_weight_fp8(w, sw, cfg, hb=other_hb)
+    return *case, ((a, wp2, cos_h, sin_h, cfg), dict(case[1], w_scale_inv=wps2))
 
 
 def _check_fp8(out, ref, cfg, min_codes=None, bf16_bound=REL_ERR_BF16_ROUNDING):
@@ -359,6 +374,7 @@ FP8_AWKWARD = {  # T, K, (H, P, R, D), style, (fmt, col), scale_mode, block_scal
     "gptj_R32_trailing": (40, 128, (5, 32, 32, 96), "gptj", ("mxfp8", True), "floor", "fp32"),
     "no_pass_through": (40, 128, (3, 0, 64, 64), "neox", ("mxfp8", True), "rceil", "pow2"),
     "bf16_odd_geometry": (37, 128, (3, 24, 20, 50), "gptj", ("bf16", False), "rceil", "fp32"),
+    "rope_gather_R256": (20, 128, (2, 64, 256, 320), "deepseek", ("mxfp8", True), "rceil", "pow2"),  # R/2 > HB
 }
 
 
@@ -381,20 +397,90 @@ def test_fp8_awkward_cases(name, device):
 
 
 def test_fp8_configs_same_bytes(device):
-    """Launch configs change nothing in the bytes: TMA stores, the plain tile loop, gathered pair tables, [64, 256]
-    tiles, against the default (T = 40: partial tiles either way)."""
+    """Launch configs change nothing in the bytes: TMA stores, the plain tile loop, gathered pair tables, [64, 128]
+    and [128, 128] tiles, and HB = 128 ([64, 256] tiles, on a W' laid out for it), against the default
+    (HB = 64; T = 40: partial tiles either way)."""
     cfg = _cfg(128, 3, 128, 64, 192, "deepseek", "mxfp8", True)
-    args, scales, ref = _fp8_case(40, cfg, device)
+    args, scales, ref, (args128, scales128) = _fp8_case(40, cfg, device, other_hb=128)
     base = qproj_gemm_fwd(*args, **scales)
     _check_fp8(base, ref, cfg)
-    for changes in (dict(TMA_STORE=True), dict(FLATTEN=False, ROPE_BCAST=False), dict(BLOCK_M=64, num_warps=8)):
-        out = qproj_gemm_fwd(*args, **scales, config=_fp8_config(40, cfg, device, **changes))
+    assert default_config(40, device, cfg, "fp8_block").HB == fused_half_width(cfg, "fp8_block") == 64
+    for changes in (dict(TMA_STORE=True), dict(FLATTEN=False, ROPE_BCAST=False), dict(BLOCK_M=64, num_warps=8),
+                    dict(BLOCK_M=128), dict(HB=128), dict(HB=128, BLOCK_M=64, TMA_STORE=True)):
+        a, sc = (args128, scales128) if changes.get("HB") == 128 else (args, scales)
+        out = qproj_gemm_fwd(*a, **sc, config=_fp8_config(40, cfg, device, **changes))
         for i, (o, b) in enumerate(zip(out, base, strict=True)):
             assert_bytes_equal(o, b, f"{changes} output {i}")
 
 
 def _fp8_config(T, cfg, device, **changes) -> GemmConfig:
     return dataclasses.replace(default_config(T, device, cfg, "fp8_block"), **changes)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_fp8_half_width_128(style, device):
+    """HB = 128 ([BLOCK_M, 256] tiles, the half width before fp8_block operands took 64) on a W' laid out for it:
+    the reference's output, and the same bytes as the default HB = 64 (T = 45: partial tiles; H = 5: a partial
+    rope tile at HB = 128 and several at 64)."""
+    cfg = _cfg(128, 5, 32, 64, 128, style, "mxfp8", True, "floor")
+    args, scales, ref, (args128, scales128) = _fp8_case(45, cfg, device, "fp32", other_hb=128)
+    assert fused_layout(cfg, 128)[2] != fused_layout(cfg, 64)[2]  # the layouts differ: W' rows 1280 vs 768
+    out = qproj_gemm_fwd(*args128, **scales128, config=_fp8_config(45, cfg, device, HB=128))
+    _check_fp8(out, ref, cfg)
+    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(*args, **scales), strict=True)):
+        assert_bytes_equal(o, b, f"HB = 128 vs 64 output {i}")
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_bf16_operands_half_width_64(style, device):
+    """The bf16-operand kernel with HB = 64 (not its default) on a W' laid out for it: the reference's output and
+    the default (HB = 128) bytes; BLOCK_M = 64 and the TMA stores where the geometry has them."""
+    cfg = _cfg(64, 3, 64, 64, 128, style, "mxfp8", True)
+    a, w, c, s, ref = _case(37, cfg, device)
+    config = _config(37, cfg, device, HB=64, BLOCK_M=64, TMA_STORE=style != "gptj", FLATTEN=True)
+    assert tma_store_supported(cfg, 64) == (style != "gptj") and default_config(37, device, cfg).HB == 128
+    out = qproj_gemm_fwd(a, prepare_fused_weight(w, cfg, hb=64), c, s, cfg, config=config)
+    _check(out, ref, cfg)
+    for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(a, prepare_fused_weight(w, cfg), c, s, cfg), strict=True)):
+        assert_bytes_equal(o, b, f"HB = 64 vs 128 output {i}")
+
+
+def test_half_width_layout_and_errors(device, monkeypatch):
+    """The half width is fixed per (geometry, operands) and every layout helper and check follows it."""
+    from mla_qproj.kernels import qproj_gemm
+
+    monkeypatch.setattr(qproj_gemm, "_num_sms", lambda index: 132)  # the GPU chooser, without a GPU
+    monkeypatch.setattr(qproj_gemm, "_DEFAULT_CONFIGS", {})
+    cfg = _cfg(128, 2, 128, 64, 192)  # N = 384: W' has 512 rows at HB = 128, 384 at HB = 64
+    assert fused_half_width(cfg) == 128 and fused_half_width(cfg, "fp8_block") == 64
+    assert [fused_layout(cfg, hb) for hb in (128, 64)] == [(1, 1, 512), (2, 1, 384)]
+    for T in (1, 64, 65, 20000):  # every T bucket: the same half width (the layer lays W' out once)
+        for operands in ("bf16", "fp8_block"):
+            for dev in (device, torch.device("cuda")):
+                assert default_config(T, dev, cfg, operands).HB == fused_half_width(cfg, operands)
+    with pytest.raises(ValueError, match="operands must be one of"):
+        fused_half_width(cfg, "fp8")
+    with pytest.raises(ValueError, match="half width must be one of"):
+        fused_row_source(cfg, "fp8_block", 96)
+    p64 = _cfg(128, 2, 64, 64, 128)  # TMA stores: a pass-through half must not straddle a head's P columns
+    assert tma_store_supported(p64, 64) and not tma_store_supported(p64, 128)
+    args, scales, _, (args128, scales128) = _fp8_case(8, cfg, device, other_hb=128)
+    with pytest.raises(ValueError, match=r"w_prepared must be \[384, 128\] \(from prepare_fused_weight_fp8 with half"):
+        qproj_gemm_fwd(*args128, **scales128)  # a W' for HB = 128 with the default config (HB = 64)
+    with pytest.raises(ValueError, match=r"w_prepared must be \[512, 128\]"):
+        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, HB=128))
+    with pytest.raises(ValueError, match="config.HB must be one of"):
+        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, HB=32))
+    with pytest.raises(ValueError, match="config.BLOCK_M must be a multiple of 32"):
+        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, BLOCK_M=16))
+    (a, _, c, s, _), w = args, torch.randn(p64.out_features, 128, device=device).bfloat16()
+    with pytest.raises(ValueError, match="TMA_STORE does not cover this geometry with HB = 128"):
+        qproj_gemm_fwd(a.float().bfloat16(), prepare_fused_weight(w, p64), c, s, p64,
+                       config=_config(8, p64, device, TMA_STORE=True))
+    r256 = _cfg(128, 2, 64, 256, 320)  # R/2 = 128 does not divide HB = 64 (the config is checked first)
+    assert not default_config(8, device, r256, "fp8_block").ROPE_BCAST
+    with pytest.raises(ValueError, match="ROPE_BCAST needs R/2 a power of two dividing 64"):
+        qproj_gemm_fwd(*args[:4], r256, **scales, config=_fp8_config(8, r256, device, ROPE_BCAST=True))
 
 
 def test_fp8_nan_code(device):
@@ -414,22 +500,26 @@ def test_fp8_nan_code(device):
         assert code_match_fraction(db[~nan], eb[~enan]) >= min_codes, f"{label} data"
 
 
+@pytest.mark.parametrize("hb", [None, *HALF_WIDTHS])
 @pytest.mark.parametrize("style,geo", [("deepseek", (3, 128, 64, 192)), ("gptj", (5, 32, 32, 96)),
                                        ("neox", (3, 0, 64, 64))])
-def test_prepare_fused_weight_fp8_exact(style, geo, device):
-    """W' codes and scale_inv against a direct gather: within each 256-row tile of the bf16 order, rows
-    [lo 0:64 | lo 64:128 | hi 0:64 | hi 64:128] become [lo 0:64 | hi 0:64 | lo 64:128 | hi 64:128]; the scale_inv of
-    row r for K block kb is W's tile scale_inv [src(r) // 128, kb]; padding rows code 0, scale 0."""
+def test_prepare_fused_weight_fp8_exact(style, geo, hb, device):
+    """W' codes and scale_inv against a direct gather: within each 2·hb-row tile of the bf16 order, rows
+    [lo 0:hb/2 | lo hb/2:hb | hi 0:hb/2 | hi hb/2:hb] become [lo 0:hb/2 | hi 0:hb/2 | lo hb/2:hb | hi hb/2:hb]; the
+    scale_inv of row r for K block kb is W's tile scale_inv [src(r) // 128, kb]; padding rows code 0, scale 0.
+    hb None: the default, 64 for fp8_block operands."""
     H, P, R, D = geo
     cfg = _cfg(256, H, P, R, D, style)
     N = cfg.out_features
     w = (torch.randn(N, 256, device=device) * 40).to(F8)
     sw = torch.rand(-(-N // 128), 2, device=device) + 0.5
-    wp, wps = prepare_fused_weight_fp8(w, sw, cfg)
-    src16 = _column_maps(cfg)[0]
+    wp, wps = prepare_fused_weight_fp8(w, sw, cfg, hb=hb)
+    hb = 64 if hb is None else hb
+    src16 = _column_maps(cfg, hb)[0]
+    assert src16.numel() == fused_layout(cfg, hb)[2] == wp.shape[0]
     r = torch.arange(src16.numel())
-    tile, g, h, j = r // BLOCK_N, (r // HALF_N) % 2, (r // (HALF_N // 2)) % 2, r % (HALF_N // 2)
-    src = src16[tile * BLOCK_N + h * HALF_N + g * (HALF_N // 2) + j].to(device)  # W row of W' row r
+    tile, g, h, j = r // (2 * hb), (r // hb) % 2, (r // (hb // 2)) % 2, r % (hb // 2)
+    src = src16[tile * 2 * hb + h * hb + g * (hb // 2) + j].to(device)  # W row of W' row r
     valid = src >= 0
     exp_codes = torch.zeros(src.numel(), 256, dtype=torch.uint8, device=device)
     exp_codes[valid] = w.view(torch.uint8)[src[valid]]
@@ -438,7 +528,7 @@ def test_prepare_fused_weight_fp8_exact(style, geo, device):
     assert wp.dtype == F8 and wps.dtype == torch.float32 and wps.is_contiguous() and wp.is_contiguous()
     assert_bytes_equal(wp.view(torch.uint8), exp_codes, "W' codes")
     assert_bytes_equal(wps, exp_s, "W' scale_inv")
-    assert torch.equal(fused_row_source(cfg, "fp8_block").to(device), src)
+    assert torch.equal(fused_row_source(cfg, "fp8_block", hb).to(device), src)
     for o, e in zip(prepare_fused_weight_fp8(w, sw, cfg, src=src), (wp, wps), strict=True):
         assert_bytes_equal(o, e, "W' from a precomputed src")
 
@@ -550,14 +640,18 @@ def test_fp8_deepseek_v3_size(fmt, col, T, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,col", OUT_MODES)
 def test_fp8_configs_same_bytes_gpu(fmt, col, device):
-    """Pipeline depth and the store path change no arithmetic: the same bytes as the default config at T = 16384
-    (TMA stores on by default there) with 3 stages and with pointer stores."""
+    """Pipeline depth, the store path and the tile shape change no arithmetic: the same bytes as the default config
+    ([128, 128] tiles, HB = 64) at T = 16384 (TMA stores on by default there) with 3 stages, with pointer stores and
+    the flattened loop, with the small-T [64, 128] tile on one warpgroup, and with HB = 128 ([64, 256] tiles on a W'
+    laid out for it). The tensor core's rounding inside a 128-block must not depend on the wgmma's N (128 vs 256)."""
     T = 16384
     cfg = _cfg(**DEEPSEEK, fmt=fmt, col=col)
-    args, scales, _ = _fp8_case(T, cfg, device)
+    args, scales, _, (args128, scales128) = _fp8_case(T, cfg, device, other_hb=128)
     base = qproj_gemm_fwd(*args, **scales)
-    for changes in (dict(num_stages=3), dict(TMA_STORE=False, FLATTEN=True)):
-        out = qproj_gemm_fwd(*args, **scales, config=_fp8_config(T, cfg, device, **changes))
+    for changes in (dict(num_stages=3), dict(TMA_STORE=False, FLATTEN=True), dict(BLOCK_M=64, num_warps=4),
+                    dict(HB=128, BLOCK_M=64, num_warps=8, FLATTEN=fmt != "bf16")):  # Triton 3.6: bf16 TMA
+        a, sc = (args128, scales128) if changes.get("HB") == 128 else (args, scales)
+        out = qproj_gemm_fwd(*a, **sc, config=_fp8_config(T, cfg, device, **changes))
         for i, (o, b) in enumerate(zip(out, base, strict=True)):
             if b is not None:
                 assert_bytes_equal(o, b, f"{changes} output {i}")

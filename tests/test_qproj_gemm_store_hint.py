@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_qproj._config import QProjConfig
-from mla_qproj.kernels.qproj_gemm import HALF_N, _column_maps, _seg, fused_gemm_supported
+from mla_qproj.kernels.qproj_gemm import HALF_N, HALF_WIDTHS, _column_maps, _seg, fused_gemm_supported
 
 
 def _check_runs(out: torch.Tensor, v: int) -> int:
@@ -32,12 +32,12 @@ def _check_runs(out: torch.Tensor, v: int) -> int:
     return checked
 
 
-def _case(style, fmt, H, P, RH, tail):
+def _case(style, fmt, H, P, RH, tail, hb=HALF_N):
     D = P + 2 * RH + tail
     cfg = QProjConfig.make(64, H, P, 2 * RH, D, rope_style=style, output_format=fmt)
     assert fused_gemm_supported(cfg)
-    _, out = _column_maps(cfg)
-    v = min(_seg(cfg), HALF_N)
+    _, out = _column_maps(cfg, hb)
+    v = min(_seg(cfg), hb)
     assert _check_runs(out, v) > 0
     return v
 
@@ -46,6 +46,7 @@ def test_deepseek_v3_runs_are_32_wide():
     """DeepSeek-V3 (128 + 64, 128 heads), default tiles: runs of 32 output columns (one MX block each)."""
     assert _case("deepseek", "mxfp8", 128, 128, 32, 0) == 32
     assert _case("neox", "bf16", 128, 128, 32, 0) == 32
+    assert _case("deepseek", "mxfp8", 128, 128, 32, 0, hb=64) == 32  # the fp8_block operands' half width
 
 
 def test_check_runs_catches_a_broken_map():
@@ -61,12 +62,13 @@ def test_check_runs_catches_a_broken_map():
 
 @settings(deadline=None, derandomize=True, max_examples=60)
 @given(style=st.sampled_from(["deepseek", "neox"]), mx=st.booleans(), H=st.integers(1, 6),
-       p=st.integers(0, 8), rh=st.sampled_from([1, 2, 3, 4, 6, 8, 16, 32]), tail=st.integers(0, 4))
-def test_output_runs_are_contiguous_and_aligned(style, mx, H, p, rh, tail):
+       p=st.integers(0, 8), rh=st.sampled_from([1, 2, 3, 4, 6, 8, 16, 32]), tail=st.integers(0, 4),
+       hb=st.sampled_from(HALF_WIDTHS))
+def test_output_runs_are_contiguous_and_aligned(style, mx, H, p, rh, tail, hb):
     """Geometries the fused GEMM covers: MXFP8 output (P, R/2, tail multiples of 32) and bf16 output (any multiples
     of 8 here; SEG is then as small as their lowest common power of two)."""
     if mx:
         P, RH, T_ = 32 * p, 32 * ((rh + 7) // 8), 32 * tail
     else:
         P, RH, T_ = 16 * p, 8 * rh, 8 * tail
-    _case(style, "mxfp8" if mx else "bf16", H, P, RH, T_)
+    _case(style, "mxfp8" if mx else "bf16", H, P, RH, T_, hb)

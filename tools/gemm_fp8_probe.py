@@ -10,7 +10,9 @@ GPU mode: the fused kernel against the reference at one T (codes, scales, decode
 time (`triton.testing.do_bench`, inputs rotated over 3 sets) of every candidate config with bf16 and with MXFP8
 (rowwise) output, next to `torch._scaled_mm` with 1x128 x 128x128 block scales (bf16 out, no RoPE) and cuBLAS bf16
 `x @ w.t()`; a table of ms, TFLOP/s and ratios is printed last (also to $OUT/gemm_fp8_probe.log when $OUT is set).
-FLOPs = 2·T·N·K with N = H·D. A candidate is `dataclasses.replace(default_config(T, dev, cfg, "fp8_block"), **changes)`.
+FLOPs = 2·T·N·K with N = H·D. A candidate is `dataclasses.replace(default_config(T, dev, cfg, "fp8_block"), **changes)`
+with the geometry's choices (ROPE_BCAST, TMA_STORE) redone for its half width HB; W' is laid out once per half width
+(`prepare_fused_weight_fp8(..., hb=HB)`), and each candidate runs on the W' of its own HB.
 """
 
 from __future__ import annotations
@@ -35,19 +37,30 @@ K, H, P, R, D = 1536, 128, 128, 64, 192
 N = H * D
 BLOCK = 128
 SMEM_MAX = 232448  # bytes of shared memory one sm_90 block may use (227 KB)
-# launch configs to compare: changes to the fp8 default (BLOCK_K = 128 always: one scale block per step)
+# launch configs to compare: changes to the fp8 default (BLOCK_K = 128 always: one scale block per step). HB = 128:
+# [BLOCK_M, 256] tiles (m64_s4 was the default before HB = 64); HB = 64: [BLOCK_M, 128] tiles (the layer's layout).
+# FLATTEN="auto": flattened wherever `flatten_ok` (the GPU chooser's rule for the [BLOCK_M, 256] configs)
 CANDIDATES = {
     "default": {},
-    "m64_s3": dict(BLOCK_M=64, num_warps=8, num_stages=3),
-    "m64_s4": dict(BLOCK_M=64, num_warps=8, num_stages=4),
-    "m64_s5": dict(BLOCK_M=64, num_warps=8, num_stages=5),
-    "m64_s4_ptr": dict(BLOCK_M=64, num_warps=8, num_stages=4, TMA_STORE=False, FLATTEN=True),
-    "m128_s3": dict(BLOCK_M=128, num_warps=8, num_stages=3),
-    "m128_s4": dict(BLOCK_M=128, num_warps=8, num_stages=4),
-    "m128_w16_s3": dict(BLOCK_M=128, num_warps=16, num_stages=3),
-    "m128_w16_s4": dict(BLOCK_M=128, num_warps=16, num_stages=4),
-    "m64_w4_s4": dict(BLOCK_M=64, num_warps=4, num_stages=4),
+    "m128_hb64_s3": dict(HB=64, BLOCK_M=128, num_warps=8, num_stages=3, FLATTEN=False),
+    "m128_hb64_s4": dict(HB=64, BLOCK_M=128, num_warps=8, num_stages=4, FLATTEN=False),
+    "m128_hb64_s5": dict(HB=64, BLOCK_M=128, num_warps=8, num_stages=5, FLATTEN=False),
+    "m128_hb64_s4_flat": dict(HB=64, BLOCK_M=128, num_warps=8, num_stages=4, FLATTEN="auto"),
+    "m128_hb64_s4_ptr": dict(HB=64, BLOCK_M=128, num_warps=8, num_stages=4, FLATTEN=False, TMA_STORE=False),
+    "m128_hb64_s4_g16": dict(HB=64, BLOCK_M=128, num_warps=8, num_stages=4, FLATTEN=False, GROUP_M=16),
+    "m64_hb64_w4_s4": dict(HB=64, BLOCK_M=64, num_warps=4, num_stages=4, FLATTEN="auto"),
+    "m64_hb64_w8_s4": dict(HB=64, BLOCK_M=64, num_warps=8, num_stages=4, FLATTEN="auto"),
+    "m64_s3": dict(HB=128, BLOCK_M=64, num_warps=8, num_stages=3, FLATTEN="auto"),
+    "m64_s4": dict(HB=128, BLOCK_M=64, num_warps=8, num_stages=4, FLATTEN="auto"),
+    "m64_s5": dict(HB=128, BLOCK_M=64, num_warps=8, num_stages=5, FLATTEN="auto"),
+    "m64_s4_ptr": dict(HB=128, BLOCK_M=64, num_warps=8, num_stages=4, TMA_STORE=False, FLATTEN=True),
+    "m128_s3": dict(HB=128, BLOCK_M=128, num_warps=8, num_stages=3, FLATTEN="auto"),
+    "m128_s4": dict(HB=128, BLOCK_M=128, num_warps=8, num_stages=4, FLATTEN="auto"),
+    "m128_w16_s3": dict(HB=128, BLOCK_M=128, num_warps=16, num_stages=3, FLATTEN="auto"),
+    "m128_w16_s4": dict(HB=128, BLOCK_M=128, num_warps=16, num_stages=4, FLATTEN="auto"),
+    "m64_w4_s4": dict(HB=128, BLOCK_M=64, num_warps=4, num_stages=4, FLATTEN="auto"),
 }
+HALF_WIDTHS = qg.HALF_WIDTHS  # W' is laid out once per half width (every candidate runs on its own)
 MODES = {"bf16": ("bf16", False), "mxfp8 row": ("mxfp8", False), "mxfp8 row+col": ("mxfp8", True)}
 _log = None
 
@@ -85,9 +98,9 @@ def make_operands(T: int, cfg: QProjConfig, dev: torch.device, seed: int = 0) ->
     a, a_sinv = quantize_blocks(x, 1, BLOCK)  # a_sinv [T, K/128]
     w_data, w_sinv = quantize_blocks(w, BLOCK, BLOCK)  # w_sinv [N/128, K/128]
     ang = torch.rand(T, R // 2, device=dev, generator=g) * 100.0
-    w_prep, w_prep_sinv = qg.prepare_fused_weight_fp8(w_data, w_sinv, cfg)
+    w_prep = {hb: qg.prepare_fused_weight_fp8(w_data, w_sinv, cfg, hb=hb) for hb in HALF_WIDTHS}  # (codes, sinv)
     return dict(a=a, a_sinv_kt=a_sinv.t().contiguous(), w_data=w_data, w_sinv=w_sinv, w_prep=w_prep,
-                w_prep_sinv=w_prep_sinv, cos=ang.cos().contiguous(), sin=ang.sin().contiguous())
+                cos=ang.cos().contiguous(), sin=ang.sin().contiguous())
 
 
 def reference_y(ops: dict) -> torch.Tensor:
@@ -103,8 +116,11 @@ def reference_y(ops: dict) -> torch.Tensor:
 
 
 def fused(ops: dict, cfg: QProjConfig, config=None) -> tuple:
-    return qg.qproj_gemm_fwd(ops["a"], ops["w_prep"], ops["cos"], ops["sin"], cfg, a_scale_inv=ops["a_sinv_kt"],
-                             w_scale_inv=ops["w_prep_sinv"], config=config)
+    """The fused kernel on the W' of the config's half width (default config: the layer's)."""
+    hb = qg.fused_half_width(cfg, "fp8_block") if config is None else config.HB
+    w_prep, w_prep_sinv = ops["w_prep"][hb]
+    return qg.qproj_gemm_fwd(ops["a"], w_prep, ops["cos"], ops["sin"], cfg, a_scale_inv=ops["a_sinv_kt"],
+                             w_scale_inv=w_prep_sinv, config=config)
 
 
 def compare(out: tuple, ref: tuple) -> tuple[str, bool]:
@@ -132,7 +148,17 @@ def compare(out: tuple, ref: tuple) -> tuple[str, bool]:
 
 
 def candidate(name: str, T: int, dev: torch.device, cfg: QProjConfig) -> qg.GemmConfig:
-    return dataclasses.replace(qg.default_config(T, dev, cfg, "fp8_block"), **CANDIDATES[name])
+    """The fp8 default with the candidate's changes; a candidate with another half width than the default gets
+    the geometry's ROPE_BCAST / TMA_STORE for its own HB (unless it sets them); FLATTEN="auto": `flatten_ok`."""
+    base = qg.default_config(T, dev, cfg, "fp8_block")
+    changes = dict(CANDIDATES[name])
+    hb = changes.get("HB", base.HB)
+    if hb != base.HB:
+        changes.setdefault("ROPE_BCAST", qg._rope_bcast_ok(cfg, hb))
+        changes.setdefault("TMA_STORE", base.TMA_STORE and qg.tma_store_supported(cfg, hb))
+    if changes.get("FLATTEN") == "auto":
+        changes["FLATTEN"] = qg.flatten_ok(cfg, changes.get("TMA_STORE", base.TMA_STORE))
+    return dataclasses.replace(base, **changes)
 
 
 # ------------------------------------------------------------------------------------------------- offline
@@ -155,7 +181,7 @@ def compile_stats(T: int, cfg: QProjConfig, config: qg.GemmConfig, operands: str
     from sass_stats import stats
     from triton.runtime.jit import mangle_type
 
-    rows = qg.fused_layout(cfg)[2]
+    rows = qg.fused_layout(cfg, config.HB)[2]
     dt = torch.float8_e4m3fn if operands == "fp8_block" else torch.bfloat16
     a, wp, c = torch.zeros(T, K, dtype=dt), torch.zeros(rows, K, dtype=dt), torch.zeros(T, R // 2)
     sc = dict(a_scale_inv=torch.zeros(K // BLOCK, T), w_scale_inv=torch.zeros(K // BLOCK, rows)) \
@@ -205,7 +231,7 @@ def run_offline(Ts: list[int], cands: list[str], modes: list[str]) -> int:
                 flags = ("  SPILLS" if st["local"] > 0 else "") + ("  SMEM>MAX" if st["shared"] > SMEM_MAX else "")
                 log(f"T={T:<6} {mode:<14} {name:<22} regs {st['regs']:>3} stack {st['local']:>4} smem "
                     f"{st['shared']:>6} QGMMA {st['QGMMA']} HGMMA {st['HGMMA']} STL {st['STL']:>3} "
-                    f"instr {st['total']:>5}  [M{config.BLOCK_M} K{config.BLOCK_K} w{config.num_warps} "
+                    f"instr {st['total']:>5}  [M{config.BLOCK_M} HB{config.HB} K{config.BLOCK_K} w{config.num_warps} "
                     f"s{config.num_stages} tma={config.TMA_STORE} flat={config.FLATTEN}]{flags}")
                 bad += name == "default" and (st["local"] > 0 or st["shared"] > SMEM_MAX)
     return 0 if bad == 0 else 1
@@ -308,7 +334,8 @@ def run_gpu(Ts: list[int], check_T: int, cands: list[str], modes: list[str]) -> 
                 except Exception as exc:  # noqa: BLE001
                     log(f"T={T} {mode} {name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                label = (f"fused fp8 {mode} {name} [M{config.BLOCK_M} w{config.num_warps} s{config.num_stages}"
+                label = (f"fused fp8 {mode} {name} [M{config.BLOCK_M}x{2 * config.HB} w{config.num_warps} "
+                         f"s{config.num_stages}"
                          f"{' tma' if config.TMA_STORE else ''}]")
                 table.append((T, label, t, flops))
         del sets, xb, wb

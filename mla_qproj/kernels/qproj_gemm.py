@@ -7,11 +7,12 @@ Per head, columns [0, P) and [P + R, D) pass through and the R rope columns hold
 a' = a·c - b·s, b' = b·c + a·s (SPEC §3), on the fp32 accumulator.
 
 The kernel never shuffles the accumulator to find a pair's partner. `prepare_fused_weight` permutes W's rows
-once (an exact re-arrangement) into tiles of BLOCK_N = 256 rows, each tile two halves of HB = HALF_N = 128 rows
-(the half width is a constexpr of the kernel, fixed at 128 on the host: it is W' layout's parameter):
+once (an exact re-arrangement) into tiles of 2·HB rows, each tile two halves of HB rows. The half width HB is the
+W' layout's parameter (a constexpr of the kernel): `fused_half_width(cfg, operands)` fixes it per layer, 128 for
+bf16 operands ([BLOCK_M, 256] tiles) and 64 for fp8_block operands ([128, 128] tiles, see below):
 - pass-through tiles: any 2·HB pass-through output columns (in runs of SEG contiguous output columns);
 - rope tiles: the "a" member of HB pairs in the low half and the matching "b" members in the high half.
-A program computes acc = A·W'ᵀ for one [BLOCK_M, 2·HB] tile (one 256-wide wgmma) and splits it into the halves
+A program computes acc = A·W'ᵀ for one [BLOCK_M, 2·HB] tile (one 2·HB-wide wgmma) and splits it into the halves
 lo, hi (a register renaming in the MMA layout); a rope tile then forms lo' = lo·c - hi·s and hi' = hi·c + lo·s
 elementwise, rounded like the reference (FMA contraction off). Each half is stored through an arithmetic column map:
 - deepseek / neox: lo' of pair i of a head -> output column P + i, hi' -> P + R/2 + i, so with R/2 % 32 == 0
@@ -26,7 +27,9 @@ codes of xn's 1x128 blocks along K with fp32 scale_inv [K/128, T], W' = the code
 row order (each tile's quarters reordered so that a warpgroup owning half of the tile's columns holds whole pairs:
 `fused_row_source(cfg, "fp8_block")`) with a per-row scale_inv [K/128, rows] (`prepare_fused_weight_fp8`). Per
 128-wide K block one fp8 dot (the tensor core's own accumulation over the block's 128 products) is promoted into
-the fp32 accumulator with the block's scales, acc = fma(dot, sa·sw, acc): DeepSeek-V3's recipe.
+the fp32 accumulator with the block's scales, acc = fma(dot, sa·sw, acc): DeepSeek-V3's recipe. The promotion keeps
+the block's dot result live next to the accumulator, so a [BLOCK_M, 2·HB] tile costs 2·BLOCK_M·2·HB/threads fp32
+registers: HB = 64 makes [128, 128] tiles with 8 warps fit (64 + 64 per thread) where [128, 256] spills.
 
 The kernel is persistent (one program per SM, GROUP_M-swizzled tile order) and reads A and W' through tensor
 descriptors (TMA on sm_90; the interpreter emulates them, zero-filling out-of-bounds rows like TMA does). Its launch
@@ -52,18 +55,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._config import QProjConfig, interpreter_enabled
 from ._common import amax_nan_ignoring, cdiv, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16, widen
 
-BLOCK_N = 256  # rows of W' per tile: two halves of HALF_N (W' is laid out per tile by `prepare_fused_weight`)
+BLOCK_N = 256  # rows of W' per tile with the bf16 operands' half width HALF_N (W' tiles are 2·HB rows)
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
 # (encoded on the host at every launch) cost more than the faster stores save
 TMA_STORE_MIN_T = 8192
 HALF_N = BLOCK_N // 2
+HALF_WIDTHS = (64, 128)  # half widths the kernel is built for (the [BLOCK_M, 2·HB] tile is 128 or 256 wide)
 _MX = 32
 FP8_BLOCK = 128  # SPEC §5: 1x128 blocks of A along K, 128x128 tiles of W
 OPERANDS = ("bf16", "fp8_block")
 
-__all__ = ["GemmConfig", "default_config", "fused_gemm_supported", "fused_layout", "fused_row_source",
-           "prepare_fused_weight", "prepare_fused_weight_fp8", "qproj_gemm_fwd", "qproj_gemm_outputs",
-           "tma_store_supported"]
+__all__ = ["GemmConfig", "default_config", "fused_gemm_supported", "fused_half_width", "fused_layout",
+           "fused_row_source", "prepare_fused_weight", "prepare_fused_weight_fp8", "qproj_gemm_fp8_fwd_op",
+           "qproj_gemm_fwd", "qproj_gemm_fwd_op", "qproj_gemm_outputs", "tma_store_supported"]
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -93,31 +97,50 @@ def fused_gemm_supported(cfg: QProjConfig) -> bool:
     return P % _MX == 0 and RH % (16 if cfg.rope_style == "gptj" else _MX) == 0
 
 
-def tma_store_supported(cfg: QProjConfig) -> bool:
-    """Output halves are boxes of the [T, H, D] output: P % HALF_N == 0, no trailing pass-through,
-    HALF_N % (R/2) == 0, rows of >= 16 bytes (TMA); deepseek / neox only (gptj interleaves the two halves)."""
-    hb = HALF_N
+def fused_half_width(cfg: QProjConfig, operands: str = "bf16") -> int:
+    """HB, the W' layout's half width for these operands: a function of the layer's geometry and precision only
+    (the layer lays W' out once, `fused_row_source`), never of T. bf16 operands: 128 (one [BLOCK_M, 256] dot split
+    in registers, measured best). fp8_block: 64, so that a [128, 128] tile with 8 warps holds the accumulator and
+    the block's dot result (64 fp32 registers each per thread) without spilling. cfg is taken for the signature's
+    sake: every geometry `fused_gemm_supported` covers works with either width."""
+    if operands == "bf16":
+        return HALF_N
+    if operands == "fp8_block":
+        return 64
+    raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
+
+
+def _check_hb(hb: int) -> int:
+    if hb not in HALF_WIDTHS:
+        raise ValueError(f"half width must be one of {HALF_WIDTHS}, got {hb!r}")
+    return hb
+
+
+def tma_store_supported(cfg: QProjConfig, hb: int = HALF_N) -> bool:
+    """Output halves (hb columns) are boxes of the [T, H, D] output: P % hb == 0, no trailing pass-through,
+    hb % (R/2) == 0, rows of >= 16 bytes (TMA); deepseek / neox only (gptj interleaves the two halves)."""
     P, R, D, RH = cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_dim // 2
     elem = 1 if cfg.output_format == "mxfp8" else 2
     return (fused_gemm_supported(cfg) and cfg.rope_style != "gptj" and P % hb == 0 and D == P + R
             and hb % RH == 0 and RH * elem >= 16 and (D * elem) % 16 == 0)
 
 
-def fused_layout(cfg: QProjConfig) -> tuple[int, int, int]:
-    """(pass-through tiles, rope tiles, rows of W') of the kernel's column order with tiles of BLOCK_N rows.
+def fused_layout(cfg: QProjConfig, hb: int = HALF_N) -> tuple[int, int, int]:
+    """(pass-through tiles, rope tiles, rows of W') of the kernel's column order with tiles of 2·hb rows.
     Plain arithmetic, no cache: `prepare_fused_weight` runs inside the layer's graph under torch.compile."""
-    H, D, R, hb = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim, HALF_N
+    H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
     nt_pass = cdiv(H * (D - R), 2 * hb)
     nt_rope = cdiv(H * (R // 2), hb)
     return nt_pass, nt_rope, (nt_pass + nt_rope) * 2 * hb
 
 
-def _column_maps(cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host twin of the kernel's column maps: for every row of W' (= kernel column), the source row of W and
-    the output column it lands on after RoPE; -1 for padding. Used by `prepare_fused_weight` and the tests."""
-    H, D, P, R, hb = cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim, HALF_N
+def _column_maps(cfg: QProjConfig, hb: int = HALF_N) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host twin of the kernel's column maps for half width hb: for every kernel column (row of W' in the bf16
+    order), the source row of W and the output column it lands on after RoPE; -1 for padding. Used by
+    `fused_row_source` and the tests."""
+    H, D, P, R = cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim
     RH, PW = R // 2, D - R
-    nt_pass, nt_rope, n_rows = fused_layout(cfg)
+    nt_pass, nt_rope, n_rows = fused_layout(cfg, hb)
     j = torch.arange(hb)
     src, out = [], []
     for n in range(nt_pass):
@@ -150,44 +173,50 @@ def _column_maps(cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(src), torch.cat(out)
 
 
-def fused_row_source(cfg: QProjConfig, operands: str = "bf16") -> torch.Tensor:
+def fused_row_source(cfg: QProjConfig, operands: str = "bf16", hb: int | None = None) -> torch.Tensor:
     """int64 [rows of W']: the row of W that each row of W' comes from, -1 for padding: the permutation
     `prepare_fused_weight` ("bf16") / `prepare_fused_weight_fp8` ("fp8_block") applies; a caller may compute it
-    once per layer and pass it as `src`. "bf16": row r of W' is kernel column r (`_column_maps`). "fp8_block": the
-    same rows with each tile's quarters reordered [lo 0:64, hi 0:64, lo 64:128, hi 64:128], so that a warpgroup
-    owning half of a tile's columns holds both members of its pairs (see `_mainloop`)."""
-    src = _column_maps(cfg)[0]
+    once per layer and pass it as `src`. hb: the half width (default `fused_half_width(cfg, operands)`; the launch
+    config's HB must match it). "bf16": row r of W' is kernel column r (`_column_maps`). "fp8_block": the same
+    rows with each 2·hb-row tile's quarters reordered [lo 0:hb/2, hi 0:hb/2, lo hb/2:hb, hi hb/2:hb], so that a
+    warpgroup owning half of a tile's columns (8 warps side by side along N: BLOCK_M = 64) holds both members of
+    its pairs; with the warpgroups stacked along M (BLOCK_M = 128) every thread holds all of the tile's columns and
+    the order is as good as the bf16 one (see `_mainloop`)."""
+    hb = _check_hb(fused_half_width(cfg, operands) if hb is None else hb)
+    src = _column_maps(cfg, hb)[0]
     if operands == "bf16":
         return src
-    if operands != "fp8_block":
-        raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
-    q = HALF_N // 2  # [tiles, half, quarter, q] -> [tiles, quarter, half, q]
+    q = hb // 2  # [tiles, half, quarter, q] -> [tiles, quarter, half, q]
     return src.reshape(-1, 2, 2, q).transpose(1, 2).reshape(-1)
 
 
-def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig, src: torch.Tensor | None = None) -> torch.Tensor:
+def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig, src: torch.Tensor | None = None,
+                         hb: int | None = None) -> torch.Tensor:
     """W [H·D, K] bf16 -> W' [rows, K] bf16 in the kernel's column order (an exact row permutation, zero rows as
-    padding). Call once per weight version; the result only feeds `qproj_gemm_fwd` with the same cfg.
-    src: `fused_row_source(cfg)` if already computed (any device)."""
+    padding). Call once per weight version; the result only feeds `qproj_gemm_fwd` with the same cfg (and a launch
+    config with HB = hb). src: `fused_row_source(cfg, "bf16", hb)` if already computed (any device); hb: the half
+    width (default `fused_half_width(cfg)`), ignored when src is given."""
     if not isinstance(w_bf16, torch.Tensor) or w_bf16.dtype != torch.bfloat16:
         raise TypeError(f"w_bf16 must be a bfloat16 tensor, got {getattr(w_bf16, 'dtype', type(w_bf16))}")
     if w_bf16.shape != (cfg.out_features, cfg.q_lora_rank):
         raise ValueError(f"w_bf16 must have shape {(cfg.out_features, cfg.q_lora_rank)}, got {tuple(w_bf16.shape)}")
-    src = (fused_row_source(cfg) if src is None else src).to(w_bf16.device)
+    src = (fused_row_source(cfg, "bf16", hb) if src is None else src).to(w_bf16.device)
     w = torch.cat([w_bf16, w_bf16.new_zeros(1, w_bf16.shape[1])])  # row -1 -> the zero row
     return w[src].contiguous()
 
 
 def prepare_fused_weight_fp8(w_data: torch.Tensor, w_scale_inv: torch.Tensor, cfg: QProjConfig,
-                             src: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             src: torch.Tensor | None = None,
+                             hb: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W's 128x128-tile FP8 codes (SPEC §5) -> the kernel's operand: (W' codes, W' scale_inv), exact.
 
     Args:
         w_data: float8_e4m3fn [H·D, K] codes of W; w_scale_inv: float32 [ceil(H·D / 128), K / 128] tile scale_inv.
-        src: `fused_row_source(cfg, "fp8_block")` if already computed (any device).
+        src: `fused_row_source(cfg, "fp8_block", hb)` if already computed (any device).
+        hb: the half width (default `fused_half_width(cfg, "fp8_block")`), ignored when src is given.
     Returns:
         W' float8_e4m3fn [rows, K]: row r is W's row src(r) (code 0 for padding rows); its scale_inv float32
-        [K / 128, rows] (K-block major: the kernel loads one [2·HB] row slice per K block): element [kb, r] is
+        [K / 128, rows] (K-block major: the kernel loads one [2·hb] row slice per K block): element [kb, r] is
         w_scale_inv[src(r) // 128, kb], 0 for padding rows.
     """
     N, K = cfg.out_features, cfg.q_lora_rank
@@ -204,7 +233,7 @@ def prepare_fused_weight_fp8(w_data: torch.Tensor, w_scale_inv: torch.Tensor, cf
                          f"{tuple(w_scale_inv.shape)}")
     if w_scale_inv.device != w_data.device:
         raise ValueError(f"w_scale_inv is on {w_scale_inv.device}, w_data on {w_data.device}")
-    src = (fused_row_source(cfg, "fp8_block") if src is None else src).to(w_data.device)
+    src = (fused_row_source(cfg, "fp8_block", hb) if src is None else src).to(w_data.device)
     codes = w_data.view(torch.uint8)  # index the bytes: exact, and fp8 indexing is not on every device
     codes = torch.cat([codes, codes.new_zeros(1, K)])[src]  # row -1 -> the zero row
     sinv = torch.cat([w_scale_inv, w_scale_inv.new_zeros(1, K // FP8_BLOCK)])
@@ -403,8 +432,9 @@ def _mainloop(a_desc, w_desc, sa_ptr, sw_ptr, i_m, i_n, T, K: tl.constexpr, ROWS
                 b_d = tl.dot(b_a, b_w.T, max_num_imprecise_acc=BLOCK_K)  # [BLOCK_M, 128] @ [128, 2 * HB]
             b_acc = tl.fma(b_d, b_sa[:, None] * b_sw[None, :], b_acc)
         # W' tile rows are [lo 0:HB/2, hi 0:HB/2, lo HB/2:HB, hi HB/2:HB] (`fused_row_source(cfg, "fp8_block")`):
-        # when the two warpgroups split the tile along N, each holds both members of its pairs, so this split is a
-        # register renaming too (the bf16 order would move the [BLOCK_M, 2·HB] tile through shared memory)
+        # when the two warpgroups split the tile along N (BLOCK_M = 64, 8 warps), each holds both members of its
+        # pairs, so this split is a register renaming too (the bf16 order would move the tile through shared
+        # memory); when they split it along M (BLOCK_M = 128) every thread holds all 2·HB columns either way
         b_lo, b_hi = tl.split(tl.permute(tl.reshape(b_acc, [BLOCK_M, 2, 2, HB // 2]), (0, 1, 3, 2)))
         b_lo = tl.reshape(b_lo, [BLOCK_M, HB])  # [BLOCK_M, 2, HB / 2] -> pairs in order
         b_hi = tl.reshape(b_hi, [BLOCK_M, HB])
@@ -524,13 +554,14 @@ class GemmConfig:
     docstring). Upper-case fields are the kernel's constexprs, lower-case ones Triton's launch options. Start from
     `default_config` and `dataclasses.replace` it.
 
-    BLOCK_M: token rows per tile (a tile is [BLOCK_M, BLOCK_N] of the output); BLOCK_K: K per main-loop step
-    (128 for fp8_block operands: one scale block);
+    BLOCK_M: token rows per tile (a tile is [BLOCK_M, 2·HB] of the output); BLOCK_K: K per main-loop step
+    (128 for fp8_block operands: one scale block); HB: the half width of W's layout (`fused_half_width`), which
+    the W' operand must have been laid out with (`fused_row_source(cfg, operands, HB)`);
     GROUP_M: row blocks per L2 swizzle group; NUM_SMS: persistent programs (at most one per tile);
     FLATTEN: flatten the persistent loop (`tl.range(flatten=...)`; Triton 3.6 rejects it with bf16 TMA stores);
     TMA_STORE: store the outputs through tensor descriptors (`tma_store_supported` geometries only);
     ROPE_BCAST: load a rope tile's pair tables as [BLOCK_M, R/2] and broadcast them (needs R/2 a power of two
-    dividing HALF_N), else gather [BLOCK_M, HALF_N]; maxnreg: register cap per thread (None: Triton's choice).
+    dividing HB), else gather [BLOCK_M, HB]; maxnreg: register cap per thread (None: Triton's choice).
     """
 
     BLOCK_M: int
@@ -543,6 +574,7 @@ class GemmConfig:
     TMA_STORE: bool = False
     ROPE_BCAST: bool = False
     maxnreg: int | None = None
+    HB: int = HALF_N
 
 
 @functools.lru_cache(maxsize=8)
@@ -550,20 +582,27 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _rope_bcast_ok(cfg: QProjConfig) -> bool:
+def _rope_bcast_ok(cfg: QProjConfig, hb: int = HALF_N) -> bool:
     RH = cfg.rope_dim // 2
-    return HALF_N % RH == 0 and (RH & (RH - 1)) == 0
+    return hb % RH == 0 and (RH & (RH - 1)) == 0
 
 
-def _geometry_config(T: int, device: torch.device, cfg: QProjConfig, **tiles) -> GemmConfig:
+def flatten_ok(cfg: QProjConfig, tma_store: bool) -> bool:
+    """Triton 3.6 rejects the flattened persistent loop together with bf16 TMA stores."""
+    return not (tma_store and cfg.output_format == "bf16")
+
+
+def _geometry_config(T: int, device: torch.device, cfg: QProjConfig, HB: int, flatten: bool = True,
+                     **tiles) -> GemmConfig:
     """tiles + what the geometry decides: ROPE_BCAST where possible; on the GPU, TMA_STORE from TMA_STORE_MIN_T
-    tokens where supported, and FLATTEN unless that would meet bf16 TMA stores (Triton 3.6 rejects the pair)."""
-    bcast = _rope_bcast_ok(cfg)
+    tokens where supported, and FLATTEN (if the chooser wants it) where `flatten_ok`."""
+    bcast = _rope_bcast_ok(cfg, HB)
     if device.type != "cuda":
-        return GemmConfig(**tiles, ROPE_BCAST=bcast)
-    tma = T >= TMA_STORE_MIN_T and tma_store_supported(cfg)
-    flatten = not (tma and cfg.output_format == "bf16")
-    return GemmConfig(**tiles, NUM_SMS=_num_sms(device.index or 0), FLATTEN=flatten, TMA_STORE=tma, ROPE_BCAST=bcast)
+        return GemmConfig(**tiles, HB=HB, ROPE_BCAST=bcast)
+    tma = T >= TMA_STORE_MIN_T and tma_store_supported(cfg, HB)
+    flatten = flatten and flatten_ok(cfg, tma)
+    return GemmConfig(**tiles, HB=HB, NUM_SMS=_num_sms(device.index or 0), FLATTEN=flatten, TMA_STORE=tma,
+                      ROPE_BCAST=bcast)
 
 
 def _default_config_bf16(T: int, device: torch.device, cfg: QProjConfig) -> GemmConfig:
@@ -571,23 +610,31 @@ def _default_config_bf16(T: int, device: torch.device, cfg: QProjConfig) -> Gemm
     two [BLOCK_M, 128] dots sharing A; the flattened persistent loop beats the plain one; broadcasting the
     [BLOCK_M, R/2] pair table beats gathering [BLOCK_M, 128] (which spills); TMA stores beat pointer stores at
     large T."""
+    hb = fused_half_width(cfg, "bf16")
     if device.type != "cuda":  # interpreter: small tiles keep the CPU emulation quick and exercise edges
-        return _geometry_config(T, device, cfg, BLOCK_M=32, BLOCK_K=32, GROUP_M=2, NUM_SMS=3, num_warps=4,
+        return _geometry_config(T, device, cfg, hb, BLOCK_M=32, BLOCK_K=32, GROUP_M=2, NUM_SMS=3, num_warps=4,
                                 num_stages=1)
     if T <= 64:
-        return _geometry_config(T, device, cfg, BLOCK_M=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-    return _geometry_config(T, device, cfg, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return _geometry_config(T, device, cfg, hb, BLOCK_M=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return _geometry_config(T, device, cfg, hb, BLOCK_M=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def _default_config_fp8(T: int, device: torch.device, cfg: QProjConfig) -> GemmConfig:
-    """BLOCK_K = 128: one scale block per step. [64, 256] tiles with 8 warps (two warpgroups side by side along N):
-    each thread holds 64 registers of the accumulator plus 64 of the block's dot result; a [128, 256] tile doubles
-    both and spills (sm_90 offline compile: `tools/gemm_fp8_probe.py --offline`). 4 stages of 40 KB (A 8 KB + W'
-    32 KB) fit next to the epilogue's buffers."""
+    """BLOCK_K = 128: one scale block per step; HB = 64 (`fused_half_width`): [128, 128] tiles with 8 warps (two
+    warpgroups stacked along M), each thread holding 64 registers of the accumulator plus 64 of the block's dot
+    result; 4 stages of 32 KB (A 16 KB + W' 16 KB) fit next to the epilogue's buffers (sm_90 offline compile:
+    `tools/gemm_fp8_probe.py --offline`; a [128, 256] tile doubles both register sets and spills). The persistent
+    loop is not flattened there: flattening hoists the next tile's first loads (and its scale prefetch) over the
+    epilogue, and with the MXFP8 epilogue live that spills. Up to 64 tokens one warpgroup on [64, 128] tiles: half
+    of a 128-row tile would be padding."""
+    hb = fused_half_width(cfg, "fp8_block")
     if device.type != "cuda":
-        return _geometry_config(T, device, cfg, BLOCK_M=32, BLOCK_K=128, GROUP_M=2, NUM_SMS=3, num_warps=4,
+        return _geometry_config(T, device, cfg, hb, BLOCK_M=32, BLOCK_K=128, GROUP_M=2, NUM_SMS=3, num_warps=4,
                                 num_stages=1)
-    return _geometry_config(T, device, cfg, BLOCK_M=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
+    if T <= 64:
+        return _geometry_config(T, device, cfg, hb, BLOCK_M=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+    return _geometry_config(T, device, cfg, hb, flatten=False, BLOCK_M=128, BLOCK_K=128, GROUP_M=8, num_warps=8,
+                            num_stages=4)
 
 
 # default configs by (operands, cfg, device, T buckets): building one costs several microseconds of the launch's
@@ -614,10 +661,14 @@ def default_config(T: int, device: torch.device, cfg: QProjConfig, operands: str
 def _check_config(config: GemmConfig, cfg: QProjConfig, operands: str) -> None:
     if not isinstance(config, GemmConfig):
         raise TypeError(f"config must be a GemmConfig, got {type(config).__name__}")
-    if config.TMA_STORE and not tma_store_supported(cfg):
-        raise ValueError(f"config.TMA_STORE does not cover this geometry: {cfg}")
-    if config.ROPE_BCAST and not _rope_bcast_ok(cfg):
-        raise ValueError(f"config.ROPE_BCAST needs R/2 a power of two dividing {HALF_N}, got R = {cfg.rope_dim}")
+    if config.HB not in HALF_WIDTHS:
+        raise ValueError(f"config.HB must be one of {HALF_WIDTHS}, got {config.HB!r}")
+    if config.BLOCK_M % 32:
+        raise ValueError(f"config.BLOCK_M must be a multiple of 32 (columnwise MX blocks), got {config.BLOCK_M}")
+    if config.TMA_STORE and not tma_store_supported(cfg, config.HB):
+        raise ValueError(f"config.TMA_STORE does not cover this geometry with HB = {config.HB}: {cfg}")
+    if config.ROPE_BCAST and not _rope_bcast_ok(cfg, config.HB):
+        raise ValueError(f"config.ROPE_BCAST needs R/2 a power of two dividing {config.HB}, got R = {cfg.rope_dim}")
     if operands == "fp8_block" and config.BLOCK_K != FP8_BLOCK:
         raise ValueError(f"config.BLOCK_K must be {FP8_BLOCK} for fp8_block operands, got {config.BLOCK_K}")
 
@@ -635,21 +686,25 @@ def _check_tensor(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_inputs(a, w_prepared, cos_h, sin_h, cfg, a_scale_inv, w_scale_inv):
+def _check_inputs(a, w_prepared, cos_h, sin_h, cfg, a_scale_inv, w_scale_inv, config):
     if not isinstance(cfg, QProjConfig):
         raise TypeError(f"cfg must be a QProjConfig, got {type(cfg).__name__}")
     if not fused_gemm_supported(cfg):
         raise ValueError(f"qproj_gemm_fwd does not cover this geometry: {cfg}")
+    fp8 = a_scale_inv is not None or w_scale_inv is not None
+    operands = "fp8_block" if fp8 else "bf16"
+    if config is not None:
+        _check_config(config, cfg, operands)
+    hb = fused_half_width(cfg, operands) if config is None else config.HB  # W' rows are laid out for it
     if not isinstance(a, torch.Tensor):
         raise TypeError(f"a must be a tensor, got {type(a).__name__}")
-    fp8 = a_scale_inv is not None or w_scale_inv is not None
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    K, rows = cfg.q_lora_rank, fused_layout(cfg)[2]
+    K, rows = cfg.q_lora_rank, fused_layout(cfg, hb)[2]
     if a.dim() != 2:
         raise ValueError(f"a must be [T, {K}], got {tuple(a.shape)}")
     T = a.shape[0]
     _check_tensor("a", a, dtype, (T, K), a.device)
-    w_hint = " (from prepare_fused_weight_fp8)" if fp8 else " (from prepare_fused_weight)"
+    w_hint = f" (from prepare_fused_weight{'_fp8' if fp8 else ''} with half width {hb})"
     _check_tensor("w_prepared", w_prepared, dtype, (rows, K), a.device, w_hint)
     if fp8:
         if K % FP8_BLOCK:
@@ -697,6 +752,8 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         a_scale_inv: fp8_block only: float32 [K/128, T] contiguous, element [kb, t] the scale_inv of token t's
             K block kb (M-major).
         w_scale_inv: fp8_block only: the scale_inv from `prepare_fused_weight_fp8`, float32 [K/128, rows].
+        (w_prepared and w_scale_inv must be laid out with the config's half width HB: by default
+        `fused_half_width(cfg, operands)`, the layout `prepare_fused_weight*` make by default.)
         check: validate the arguments (False: for a caller that built them itself, as the layer does; skips a few
             tens of microseconds of host work per call).
         config: launch parameters (default: `default_config(T, a.device, cfg, operands)`); every config gives the
@@ -704,9 +761,11 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     Returns:
         `qproj_gemm_outputs(T, cfg, a)`, written.
     """
-    if check:
-        _check_inputs(a, w_prepared, cos_h, sin_h, cfg, a_scale_inv, w_scale_inv)
     operands = "bf16" if a_scale_inv is None else "fp8_block"
+    if check:
+        _check_inputs(a, w_prepared, cos_h, sin_h, cfg, a_scale_inv, w_scale_inv, config)
+    elif config is not None:
+        _check_config(config, cfg, operands)
     T, K = a.shape
     outs = qproj_gemm_outputs(T, cfg, a)
     if T == 0:
@@ -714,16 +773,14 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
     dev = a.device
     if config is None:
         config = default_config(T, dev, cfg, operands)
-    else:
-        _check_config(config, cfg, operands)
     interp = interpreter_enabled()
     H, D, R = cfg.num_heads, cfg.q_head_dim, cfg.rope_dim
     RH = R // 2
     y, rs, cd, cs = outs if len(outs) == 4 else (outs[0], None, None, None)
-    nt_pass, nt_rope, _ = fused_layout(cfg)
-    BLOCK_M, BLOCK_K = config.BLOCK_M, config.BLOCK_K
+    HB, BLOCK_M, BLOCK_K = config.HB, config.BLOCK_M, config.BLOCK_K
+    nt_pass, nt_rope, _ = fused_layout(cfg, HB)
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K])
-    w_desc = TensorDescriptor.from_tensor(w_prepared, [BLOCK_N, BLOCK_K])
+    w_desc = TensorDescriptor.from_tensor(w_prepared, [2 * HB, BLOCK_K])
     num_tiles = cdiv(T, BLOCK_M) * (nt_pass + nt_rope)
 
     def grid(meta):
@@ -734,8 +791,8 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         P = cfg.qk_head_dim
         for name, t in (("yd", y), ("cd", cd)):
             if t is not None:
-                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HALF_N]) if P else None
-                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HALF_N // RH, RH])
+                descs[name + "_pass"] = TensorDescriptor.from_tensor(t, [BLOCK_M, 1, HB]) if P else None
+                descs[name + "_rope"] = TensorDescriptor.from_tensor(t, [BLOCK_M, HB // RH, RH])
     options = {} if config.maxnreg is None else dict(maxnreg=config.maxnreg)
     _qproj_gemm_fwd_kernel[grid](
         a_desc=a_desc, w_desc=w_desc, sa_ptr=a_scale_inv, sw_ptr=w_scale_inv, cos_ptr=cos_h, sin_ptr=sin_h,
@@ -745,7 +802,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         T=T, K=K, H=H, D=D, P=cfg.qk_head_dim, R=R,
         STYLE=cfg.rope_style, PAIRED=_paired(cfg), SEG=_seg(cfg),
         OUT_FORMAT=cfg.output_format, COLWISE=cfg.columnwise_output, SCALE_MODE=cfg.scale_mode,
-        NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=HALF_N, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, GROUP_M=config.GROUP_M,
+        NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=HB, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, GROUP_M=config.GROUP_M,
         NUM_SMS=config.NUM_SMS, OPERANDS=operands, ROPE_BCAST=config.ROPE_BCAST,
         EMULATED=interp or dev.type != "cuda", DOT_F32=interp, FLATTEN=config.FLATTEN, SERIAL_LOOP=interp,
         TMA_STORE=config.TMA_STORE,
@@ -754,3 +811,109 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         **options,
     )
     return outs
+
+
+# ------------------------------------------------------------------------------------------- custom ops
+# `mla_qproj::qproj_gemm_fwd` (bf16 operands) and `mla_qproj::qproj_gemm_fp8_fwd` (fp8_block operands): the
+# launcher as torch.library custom ops, so that the layer traces under torch.compile(fullgraph=True) and captures in
+# CUDA graphs (output shapes depend on input shapes only). The ops always return four tensors (q data or bf16 q, row
+# scale, col data, col scale), absent ones empty; the fake is the launcher's own allocation (`qproj_gemm_outputs`).
+# W' arrives laid out with the default half width (`fused_half_width`): the layout the layer builds.
+
+
+@functools.lru_cache(maxsize=64)
+def _op_cfg(K: int, H: int, nope: int, R: int, D: int, style: str, output_format: str, columnwise: bool,
+            scale_mode: str) -> QProjConfig:
+    """The QProjConfig of an op call's geometry arguments (cached: building one costs microseconds per call)."""
+    return QProjConfig.make(K, H, nope, R, D, rope_style=style, output_format=output_format,
+                            columnwise_output=columnwise, scale_mode=scale_mode)
+
+
+def _four_outputs(outs: tuple, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launcher's outputs as the op's four, absent ones empty uint8 tensors (custom ops return no None)."""
+    outs = outs if len(outs) == 4 else (outs[0], None, None, None)
+    return tuple(like.new_empty((0,), dtype=torch.uint8) if t is None else t for t in outs)
+
+
+def _eager_outputs(outs: tuple) -> tuple:
+    """The layer's eager form of the launcher's outputs: four, None for the absent ones (no empty tensors made)."""
+    return (outs[0], None, None, None) if len(outs) == 1 else outs
+
+
+def _op_launch(a, w_prepared, cos_h, sin_h, geo: tuple, a_scale_inv=None, w_scale_inv=None, check=True) -> tuple:
+    """The launcher on an op's arguments; geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style,
+    output_format, columnwise, scale_mode)."""
+    return qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, _op_cfg(a.shape[1], *geo), a_scale_inv=a_scale_inv,
+                          w_scale_inv=w_scale_inv, check=check)
+
+
+def _op_fake(a: torch.Tensor, geo: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _four_outputs(qproj_gemm_outputs(a.shape[0], _op_cfg(a.shape[1], *geo), a), a)
+
+
+def _eager_fast(op, eager):
+    """The registered op while torch.compile traces, `eager` (the launcher without argument re-checks, None for
+    absent outputs) otherwise: the custom-op dispatch costs tens of microseconds per call, which shows at small T.
+    `.op` is the registered op itself."""
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return eager(*args)
+
+    call.op = op
+    return call
+
+
+@torch.library.custom_op("mla_qproj::qproj_gemm_fwd", mutates_args=())
+def _qproj_gemm_fwd_def(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor,
+                        num_heads: int, qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
+                        output_format: str, columnwise: bool, scale_mode: str) -> tuple[
+                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 operands: a [T, K] and W' from `prepare_fused_weight`."""
+    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
+    return _four_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo), a)
+
+
+@_qproj_gemm_fwd_def.register_fake
+def _(a, w_prepared, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
+      scale_mode):
+    return _op_fake(a, (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
+                        scale_mode))
+
+
+def _qproj_gemm_fwd_eager(a, w_prepared, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style,
+                          output_format, columnwise, scale_mode) -> tuple:
+    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
+    return _eager_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo, check=False))
+
+
+@torch.library.custom_op("mla_qproj::qproj_gemm_fp8_fwd", mutates_args=())
+def _qproj_gemm_fp8_fwd_def(a: torch.Tensor, a_scale_inv: torch.Tensor, w_prepared: torch.Tensor,
+                            w_scale_inv: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, num_heads: int,
+                            qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str, output_format: str,
+                            columnwise: bool, scale_mode: str) -> tuple[
+                                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp8_block operands (SPEC §5): a = xn's 1x128 E4M3 codes [T, K] with scale_inv [K/128, T]; W' and its
+    scale_inv [K/128, rows] from `prepare_fused_weight_fp8`."""
+    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
+    return _four_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo, a_scale_inv, w_scale_inv), a)
+
+
+@_qproj_gemm_fp8_fwd_def.register_fake
+def _(a, a_scale_inv, w_prepared, w_scale_inv, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style,
+      output_format, columnwise, scale_mode):
+    return _op_fake(a, (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
+                        scale_mode))
+
+
+def _qproj_gemm_fp8_fwd_eager(a, a_scale_inv, w_prepared, w_scale_inv, cos_h, sin_h, num_heads, qk_head_dim,
+                              rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode) -> tuple:
+    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
+    return _eager_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo, a_scale_inv, w_scale_inv, check=False))
+
+
+# the layer's entry points: call(*args) runs the launcher directly in eager mode and the registered op under
+# torch.compile; call.op is the registered op
+qproj_gemm_fwd_op = _eager_fast(_qproj_gemm_fwd_def, _qproj_gemm_fwd_eager)
+qproj_gemm_fp8_fwd_op = _eager_fast(_qproj_gemm_fp8_fwd_def, _qproj_gemm_fp8_fwd_eager)
