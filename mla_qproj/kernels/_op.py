@@ -45,7 +45,12 @@ _ENCODED: dict[QProjConfig, str] = {}
 
 
 def encoded(cfg: QProjConfig) -> str:
-    """`cfg.encode()`, cached per config (encoding costs a few microseconds; a dict lookup a fraction of one)."""
+    """`cfg.encode()`, cached per config in eager mode (encoding costs a few microseconds, a dict lookup a fraction
+    of one). While torch.compile traces, the plain `encode()`: dynamo folds it to a constant string, whereas the
+    cache's insertion would be a side effect inside the traced graph (which dynamo rejects inside the autograd
+    Function's backward)."""
+    if torch.compiler.is_compiling():
+        return cfg.encode()
     s = _ENCODED.get(cfg)
     if s is None:
         s = _ENCODED[cfg] = cfg.encode()
