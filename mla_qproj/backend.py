@@ -120,6 +120,6 @@ def rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, zero_centered_gamma: bool, use_tr
     """(dx in x's dtype, dnorm_weight in the parameter's dtype) from dxn fp32 [T, K]."""
     if not use_triton:
         return ref.rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)
-    from .ops import rmsnorm_bwd_op
+    from .kernels.rmsnorm_bwd import rmsnorm_bwd_op
 
     return rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)

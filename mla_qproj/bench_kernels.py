@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-K, H, NOPE, ROPE = 1536, 128, 128, 64
-D = NOPE + ROPE
+K, H, P, R = 1536, 128, 128, 64
+D = P + R
 N = H * D
 
 
@@ -71,10 +71,10 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
     dst = torch.empty_like(src)
     out = [("device copy (ceiling)", 2.0 * src.numel() * 4, lambda: dst.copy_(src))]
     dq = torch.randn(T, N, device=dev).to(torch.bfloat16)
-    c, s = torch.randn(T, ROPE // 2, device=dev), torch.randn(T, ROPE // 2, device=dev)
-    kw = dict(num_heads=H, head_dim=D, qk_head_dim=NOPE, rope_dim=ROPE, rope_style="deepseek", inverse=True,
+    c, s = torch.randn(T, R // 2, device=dev), torch.randn(T, R // 2, device=dev)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=P, rope_dim=R, rope_style="deepseek", inverse=True,
               scale_mode="rceil")
-    out.append(("inverse RoPE + dy quant (2 bf16 images)", T * N * (2 + 2 + 2) + 2 * T * ROPE * 2,
+    out.append(("inverse RoPE + dy quant (2 bf16 images)", T * N * (2 + 2 + 2) + 2 * T * R * 2,
                 lambda: rope_quant(dq, c, s, mode="mxfp8_images", columnwise=True, **kw)))
     x = torch.randn(T, K, device=dev).to(torch.bfloat16)
     g = torch.rand(K, device=dev) + 0.5

@@ -24,7 +24,7 @@ class _QuantizeSTE(torch.autograd.Function):
     def forward(ctx, t, rowwise, columnwise, scale_mode, use_triton):
         x2d = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
         if use_triton:
-            from .ops import mxfp8_quantize_2d_op
+            from .kernels.mxfp8_quant import mxfp8_quantize_2d_op
 
             rd, rs, cd, cs = mxfp8_quantize_2d_op(x2d, rowwise, columnwise, scale_mode)
         else:

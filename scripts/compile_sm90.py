@@ -8,7 +8,8 @@ UTMASTG) instruction counts of its SASS. Run it under each Triton the project su
 How: a stand-in Triton driver reports an sm_90 target with no device behind it, and every launch made while it is
 active compiles (`warmup`) instead of running. The launchers run on CPU tensors (never read: outputs are allocated
 but not touched) with the launch knobs their GPU default choosers give for a CUDA device, so the signatures,
-specializations (alignment, ints equal to 1) and constexprs are the ones a GPU call at that shape compiles.
+specializations (alignment, ints equal to 1) and constexprs are the ones a GPU call at that shape compiles
+(`kernels._op.emulated` is replaced meanwhile, so the launchers pick the GPU form although their tensors are CPU).
 """
 
 from __future__ import annotations
@@ -70,12 +71,17 @@ def offline_sm90(compiled: list):
         compiled.append((self.fn.__name__, k))
         return k
 
+    from mla_qproj.kernels import _op
+
+    emulated = _op.emulated
     previous = driver._active  # None until something asked for the driver (and on a machine without one)
     driver.set_active(_OfflineDriver())
     JITFunction.run = compile_only
+    _op.emulated = lambda device: False  # the GPU form, although the launchers see CPU tensors
     try:
         yield compiled
     finally:
+        _op.emulated = emulated
         JITFunction.run = run
         driver.set_active(previous)
 
@@ -113,16 +119,14 @@ def _cases(T: int):
     qproj_gemm._num_sms = lambda index: 132  # H200 SMs (the launcher asks torch.cuda otherwise)
 
     def norm(columnwise, t=T):
-        knobs = rmsnorm_quant._launch_conf(t, K, CUDA)
-        knobs.pop("CHUNK_K")  # derived by the launcher
-        return lambda: rmsnorm_quant.rmsnorm_quant_fwd(x[:t], g, 1e-6, False, "mxfp8", "rceil", columnwise, **knobs)
+        return lambda: rmsnorm_quant.rmsnorm_quant_fwd(x[:t], g, 1e-6, False, "mxfp8", "rceil", columnwise)
 
     def rope(fast, mode, inverse, columnwise):
-        knobs = rope_quant._fast_launch(P, CUDA) if fast else {}
+        config = None if fast else rope_quant.RopeQuantConfig(FAST=False)
         y = e(T, N, dtype=bf if inverse else torch.float32)
         return lambda: rope_quant.rope_quant(y, cos, sin, num_heads=H, head_dim=D, qk_head_dim=P, rope_dim=R,
                                              rope_style="deepseek", inverse=inverse, mode=mode,
-                                             columnwise=columnwise, scale_mode="rceil", fast=fast, **knobs)
+                                             columnwise=columnwise, scale_mode="rceil", config=config)
 
     def gemm(t, output_format="mxfp8", columnwise=False, style="deepseek"):
         cfg = QProjConfig.make(K, H, P, R, output_format=output_format, columnwise_output=columnwise,

@@ -1,4 +1,4 @@
-"""Launch-knob sweep of the memory-bound kernels on the GPU (one device call): every variant is checked against the
+"""Launch-config sweep of the memory-bound kernels on the GPU (one device call): every variant is checked against the
 default's bytes, then timed; GB/s counts the bytes each kernel must move, "of copy" is against a device copy.
 
     python scripts/kernel_sweep.py [--tokens 4096,16384]
@@ -6,6 +6,7 @@ default's bytes, then timed; GB/s counts the bytes each kernel must move, "of co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -15,10 +16,12 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mla_qproj.bench_kernels import graph_ms  # noqa: E402
+from mla_qproj.kernels import rmsnorm_bwd as rb  # noqa: E402
+from mla_qproj.kernels import rope_quant as rq  # noqa: E402
 from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16  # noqa: E402
 from mla_qproj.kernels.rmsnorm_bwd import program_rows, rmsnorm_bwd, sum_partials  # noqa: E402
-from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd  # noqa: E402
-from mla_qproj.kernels.rope_quant import rope_quant  # noqa: E402
+from mla_qproj.kernels.rmsnorm_quant import RMSNormQuantConfig, rmsnorm_quant_fwd  # noqa: E402
+from mla_qproj.kernels.rope_quant import RopeQuantConfig, rope_quant  # noqa: E402
 from mla_qproj.reference.mxfp8 import (  # noqa: E402
     dequantize_columnwise,
     dequantize_rowwise,
@@ -26,8 +29,8 @@ from mla_qproj.reference.mxfp8 import (  # noqa: E402
     quantize_rowwise,
 )
 
-K, H, NOPE, ROPE = 1536, 128, 128, 64
-D = NOPE + ROPE
+K, H, P, R = 1536, 128, 128, 64
+D = P + R
 N = H * D
 
 
@@ -48,8 +51,8 @@ def read1_write2(x, o1, o2, W, num_warps):
 
 
 def bench(fn) -> float:
-    """GPU time per call (CUDA graph replay after an L2 flush, flushes subtracted): knob choices by kernel time, not by
-    the host's launch speed, which differs between machines."""
+    """GPU time per call (CUDA graph replay after an L2 flush, flushes subtracted): config choices by kernel time, not
+    by the host's launch speed, which differs between machines."""
     return graph_ms(fn)
 
 
@@ -75,24 +78,26 @@ def main() -> None:
         rows.append((T, "device copy", "", 0.0, copy_gbs))
         # inverse RoPE + dy quantize (backward operands)
         dq = (torch.randn(T, N, device="cuda") * 3).to(torch.bfloat16)
-        c, s = torch.randn(T, ROPE // 2, device="cuda"), torch.randn(T, ROPE // 2, device="cuda")
-        kw = dict(num_heads=H, head_dim=D, qk_head_dim=NOPE, rope_dim=ROPE, rope_style="deepseek", inverse=True,
+        c, s = torch.randn(T, R // 2, device="cuda"), torch.randn(T, R // 2, device="cuda")
+        kw = dict(num_heads=H, head_dim=D, qk_head_dim=P, rope_dim=R, rope_style="deepseek", inverse=True,
                   mode="mxfp8_images", columnwise=True, scale_mode="rceil")
-        nbytes = T * N * 6 + 2 * T * ROPE * 2
-        ref = rope_quant(dq, c, s, fast=False, **kw)
-        variants = [("general (gather)", dict(fast=False)), ("fast default", dict(fast=True))]
-        variants.append(("fast warps=2 (the default before 2026-12-01)", dict(fast=True, num_warps=2)))
-        variants.append(("fast warps=1 nope_w=128", dict(fast=True, num_warps=1, NOPE_W=128)))
-        variants.append(("fast warps=1 nope_w=32", dict(fast=True, num_warps=1, NOPE_W=32)))
+        nbytes = T * N * 6 + 2 * T * R * 2
+        gather = RopeQuantConfig(FAST=False)
+        ref = rope_quant(dq, c, s, config=gather, **kw)
+        fast = rq.default_config(T, P, R, D, dq.device)
+        variants = [("general (gather)", gather), ("fast default", fast)]
+        variants.append(("fast warps=2", dataclasses.replace(fast, num_warps=2)))
+        variants.append(("fast pass_w=128", dataclasses.replace(fast, PASS_W=128)))
+        variants.append(("fast pass_w=32", dataclasses.replace(fast, PASS_W=32)))
         o1, o2 = torch.empty_like(dq), torch.empty_like(dq)
         for w_, nw in ((64, 2), (64, 4), (128, 4)):  # the same traffic without the math: the practical ceiling
             ms = bench(lambda: read1_write2(dq, o1, o2, w_, nw))  # noqa: B023
             rows.append((T, f"read once, write twice (no math) W={w_} warps={nw}", "", ms, T * N * 6 / ms / 1e6))
-        for name, kn in variants:
+        for name, conf in variants:
             try:
-                out = rope_quant(dq, c, s, **kw, **kn)
+                out = rope_quant(dq, c, s, config=conf, **kw)
                 ok = same(out, ref)
-                ms = bench(lambda: rope_quant(dq, c, s, **kw, **kn))  # noqa: B023
+                ms = bench(lambda: rope_quant(dq, c, s, config=conf, **kw))  # noqa: B023
                 rows.append((T, "rope_bwd " + name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
             except Exception as e:  # report and go on
                 rows.append((T, "rope_bwd " + name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
@@ -100,9 +105,11 @@ def main() -> None:
         x = torch.randn(T, K, device="cuda").to(torch.bfloat16)
         g = (torch.rand(K, device="cuda") + 0.5).to(torch.bfloat16)
         nbytes = T * K * (2 + 2 + 1) + T * K / 32 + 4 * T
-        variants = [{}, dict(SPLIT=True, BLOCK_K=128, num_warps=1),
-                    dict(SPLIT=True, BLOCK_K=128, num_warps=2), dict(SPLIT=False, BLOCK_K=128, num_warps=4),
-                    dict(SPLIT=True, ROWS=8, RS_BLOCK_K=512, RS_WARPS=4), dict(columnwise=False)]  # inference
+        variants = [{}, dict(config=RMSNormQuantConfig(SPLIT=True, BLOCK_K=128, num_warps=1)),
+                    dict(config=RMSNormQuantConfig(SPLIT=True, BLOCK_K=128, num_warps=2)),
+                    dict(config=RMSNormQuantConfig(SPLIT=False, BLOCK_K=128, num_warps=4)),
+                    dict(config=RMSNormQuantConfig(SPLIT=True, BLOCK_K=64, num_warps=1, RS_ROWS=8)),
+                    dict(columnwise=False)]  # inference
         for kn in variants:
             name = "rmsnorm_quant " + (" ".join(f"{k.lower()}={v}" for k, v in kn.items()) or "default")
             try:
@@ -116,20 +123,22 @@ def main() -> None:
                 rows.append((T, name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
             except Exception as e:
                 rows.append((T, name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
-        # RMSNorm backward: rows per step, warps (dg's reduction order depends on ROWS: checked within tolerance)
+        # RMSNorm backward: warps, programs per SM, the partial sum's steps (dg's reduction order depends on the
+        # programs per SM: checked within tolerance)
         dxn = torch.randn(T, K, device="cuda")
         rs = torch.rand(T, device="cuda") + 0.5
         nbytes = T * K * (4 + 2 + 2) + 4 * T
-        ref_dx, ref_dg = rmsnorm_bwd(dxn, x, rs, g, False, ROWS=1, num_warps=4)
-        s128 = dict(SUM_BLOCK_P=128, SUM_BLOCK_K=32, SUM_num_warps=4)  # the partial sum before 2026-12-01
-        for kn in [{}, dict(TWO_CHUNKS=False), dict(s128, TWO_CHUNKS=False), dict(num_warps=8),
-                   dict(SUM_BLOCK_P=512, SUM_BLOCK_K=8), dict(PROGS_PER_SM=8)]:
+        ref_dx, ref_dg = rmsnorm_bwd(dxn, x, rs, g, False)
+        base = rb.default_config(K, x.device)
+        s128 = dict(SUM_BLOCK_P=128, SUM_BLOCK_K=32, sum_num_warps=4)  # [128, 32]-step partial sum
+        for kn in [{}, s128, dict(num_warps=8), dict(SUM_BLOCK_P=512, SUM_BLOCK_K=8), dict(progs_per_sm=8)]:
             name = "rmsnorm_bwd " + (" ".join(f"{k.lower()}={v}" for k, v in kn.items()) or "default")
+            conf = dataclasses.replace(base, **kn)
             try:
-                dx_, dg_ = rmsnorm_bwd(dxn, x, rs, g, False, **kn)
+                dx_, dg_ = rmsnorm_bwd(dxn, x, rs, g, False, config=conf)
                 ok = all(torch.allclose(u.float(), v.float(), rtol=1e-2, atol=1e-2)
                          for u, v in ((dx_, ref_dx), (dg_, ref_dg)))
-                ms = bench(lambda: rmsnorm_bwd(dxn, x, rs, g, False, **kn))  # noqa: B023
+                ms = bench(lambda: rmsnorm_bwd(dxn, x, rs, g, False, config=conf))  # noqa: B023
                 rows.append((T, name, "ok" if ok else "MISMATCH", ms, nbytes / ms / 1e6))
             except Exception as e:
                 rows.append((T, name, f"ERROR {type(e).__name__}: {str(e)[:60]}", 0.0, 0.0))
@@ -141,7 +150,8 @@ def main() -> None:
         for pps, sk in ((4, {}), (4, s128)):  # the partial sum alone: its share of the two launches
             part = torch.randn(program_rows(T, pps)[1], K, device="cuda")
             dg = torch.empty(K, device="cuda", dtype=torch.bfloat16)
-            ms = bench(lambda: sum_partials(part, dg, **{k[4:]: v for k, v in sk.items()}))  # noqa: B023
+            sum_kw = {k.removeprefix("SUM_").removeprefix("sum_"): v for k, v in sk.items()}
+            ms = bench(lambda: sum_partials(part, dg, **sum_kw))  # noqa: B023
             rows.append((T, f"rmsnorm_bwd partial sum alone {part.shape[0]} rows {sk}", "", ms,
                          part.numel() * 4 / ms / 1e6))
         # columnwise xn -> bf16 image (backward)

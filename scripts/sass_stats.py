@@ -54,16 +54,16 @@ def main() -> None:
     rq_sig = dict(y_ptr="*bf16", stride_y="i32", cos_ptr="*fp32", sin_ptr="*fp32", stride_cs="i32", out_ptr="*bf16",
                   row_scale_ptr="*u8", col_data_ptr="*bf16", col_scale_ptr="*u8", T="i32")
     al = ("y_ptr", "stride_y", "cos_ptr", "sin_ptr", "out_ptr", "col_data_ptr")
-    base = dict(H=128, D=192, NOPE=128, R=64, STYLE="deepseek", INVERSE=True, MODE="mxfp8_images", COLUMNWISE=True,
+    base = dict(H=128, D=192, P=128, R=64, STYLE="deepseek", INVERSE=True, MODE="mxfp8_images", COLUMNWISE=True,
                 SCALE_MODE="rceil")
     st = stats(_rope_quant_kernel, rq_sig, base, al, num_warps=4, enable_fp_fusion=False)
     report("rope_quant general (1 head)", st)
-    for heads, nw in ((1, 1), (1, 2), (1, 4)):
-        cx = dict(base, HEADS=heads, NOPE_W=64, EMULATED=False, HEAD_MAJOR=True, IMAGE_NAN_SIGN=False, FAST_SCALE=True)
+    for nw in (1, 2, 4):
+        cx = dict(base, PASS_W=64, EMULATED=False, HEAD_MAJOR=True)
         st = stats(_rope_quant_fast_kernel, rq_sig, cx, al, num_warps=nw, enable_fp_fusion=False)
-        # warp-instructions per [32 x 32] element tile: total * warps / (heads * 6 tiles)
-        report(f"rope_quant fast heads={heads} warps={nw}", st)
-        print(f"    warp-instr per 1024 elements: {st['total'] * nw / (heads * 6):.0f}")
+        # warp-instructions per [32 x 32] element tile: total * warps / 6 tiles (one head per program)
+        report(f"rope_quant fast warps={nw}", st)
+        print(f"    warp-instr per 1024 elements: {st['total'] * nw / 6:.0f}")
 
 
 if __name__ == "__main__":

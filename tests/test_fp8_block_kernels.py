@@ -4,6 +4,7 @@ Triton's interpreter at small sizes; `gpu` tests at the DeepSeek-V3 shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,6 +20,7 @@ from mla_qproj.kernels._common import cdiv
 from mla_qproj.kernels._fp8_block import fp8_block_scale
 from mla_qproj.kernels.fp8_block_quant import Fp8BlockQuantConfig, fp8_block_quantize_2d, fp8_block_quantize_op
 from mla_qproj.kernels.rmsnorm_fp8_block import RMSNormFp8BlockConfig, rmsnorm_fp8_block_fwd, rmsnorm_fp8_block_fwd_op
+from mla_qproj.kernels.rmsnorm_quant import default_config as default_norm_config
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
 from mla_qproj.kernels.rope_fp8_block import RopeFp8BlockConfig, fast_unit, rope_fp8_block_bwd, rope_fp8_block_bwd_op
 from mla_qproj.kernels.rope_fp8_block import default_config as default_rope_config
@@ -170,8 +172,8 @@ def test_public_quantizer_errors():
 
 
 def test_quantize_op_registration():
-    torch.library.opcheck(fp8_block_quantize_op, (torch.randn(5, 130, device=DEVICE), 1, B, "pow2"))
-    torch.library.opcheck(fp8_block_quantize_op, (torch.randn(130, 7, device=DEVICE), B, 1, "fp32"))
+    torch.library.opcheck(fp8_block_quantize_op.op, (torch.randn(5, 130, device=DEVICE), 1, B, "pow2"))
+    torch.library.opcheck(fp8_block_quantize_op.op, (torch.randn(130, 7, device=DEVICE), B, 1, "fp32"))
 
 
 @pytest.mark.gpu
@@ -257,7 +259,8 @@ def test_rmsnorm_fp8_block_layouts_and_options():
     assert_bytes_equal(outs[0], full[0], "row codes without columnwise")
     assert outs[2].shape == (K, 0) and outs[3].shape == (0, K)
     # rsigma has the bits of the MXFP8 path's RMSNorm (rmsnorm_quant's split form: the same `_rsigma_kernel`)
-    assert_bytes_equal(rsigma, rmsnorm_quant_fwd(x, w, 1e-6, True, "mxfp8", "rceil", SPLIT=True)[0], "rsigma")
+    split = dataclasses.replace(default_norm_config(T, K, x.device), SPLIT=True)
+    assert_bytes_equal(rsigma, rmsnorm_quant_fwd(x, w, 1e-6, True, "mxfp8", "rceil", config=split)[0], "rsigma")
     # T == 0
     outs = rmsnorm_fp8_block_fwd(x[:0], w, 1e-6, False)
     assert [tuple(o.shape) for o in outs] == [(0,), (0, K), (K // B, 0), (K, 0), (0, K)]

@@ -3,22 +3,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from mla_qproj._config import QProjConfig
+from mla_qproj.kernels import rmsnorm_quant as RN
 from mla_qproj.kernels._common import image_multipliers_rceil
-from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd
+from mla_qproj.kernels.rmsnorm_bwd import RMSNormBwdConfig, rmsnorm_bwd
 from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
-from mla_qproj.kernels.rope_quant import rope_quant
+from mla_qproj.kernels.rope_quant import RopeQuantConfig, rope_quant
 from mla_qproj.reference import mxfp8 as RM
 from mla_qproj.reference import qproj as RQ
 from mla_qproj.reference import rope as RR
 
 from _tolerances import assert_bytes_equal, assert_rel_err
 from conftest import DEVICE
+
+GATHER = RopeQuantConfig(FAST=False)  # the general (gather) RoPE kernel at any geometry
+
+
+def norm_config(T: int, K: int, split: bool) -> RN.RMSNormQuantConfig:
+    """The default RMSNorm + quantize launch at [T, K] with the two-launch (split) or one-kernel form forced."""
+    return dataclasses.replace(RN.default_config(T, K, DEVICE), SPLIT=split)
+
 
 GEOMS = [  # (H, nope, rope, D)
     (3, 16, 16, 32),
@@ -37,7 +48,7 @@ def test_rmsnorm_quant(precision, zc, T, split):
     K = 96
     x = (torch.randn(T, K) * 3).to(torch.bfloat16).to(DEVICE)
     w = torch.randn(K, device=DEVICE)
-    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, zc, precision, "rceil", SPLIT=split)
+    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, zc, precision, "rceil", config=norm_config(T, K, split))
     _, rs_ref = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
     assert_rel_err(rs, rs_ref, 1e-6, "rsigma")
     # same rsigma -> the quantized bytes must be identical to the reference (no tolerance)
@@ -60,8 +71,9 @@ def test_rmsnorm_quant_without_columnwise(split, K):
     T = 45
     x = (torch.randn(T, K) * 3).to(torch.bfloat16).to(DEVICE)
     w = torch.randn(K, device=DEVICE)
-    full = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", SPLIT=split)
-    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", columnwise=False, SPLIT=split)
+    conf = norm_config(T, K, split)
+    full = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", config=conf)
+    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", columnwise=False, config=conf)
     assert cd.numel() == 0 and cs.numel() == 0
     assert_bytes_equal(rs, full[0], "rsigma")
     assert_bytes_equal(a, full[1], "A image")
@@ -81,7 +93,7 @@ def test_rmsnorm_quant_special_values(split):
     w[64:96] = 448.0 * 2.0 ** 100
     w[96:100] = 1e-41
     x, w = x.to(DEVICE), w.to(DEVICE)
-    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", SPLIT=split)
+    rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil", config=norm_config(T, K, split))
     xn = x.float() * rs[:, None] * w
     _same_bytes_or_both_nan(a, RM.dequantize_rowwise(*RM.quantize_rowwise(xn), dtype=torch.bfloat16), "A image")
     rcd, rcs = RM.quantize_columnwise(xn)
@@ -100,7 +112,7 @@ def test_rope_quant_forward(style, geom):
     y_ref = RR.apply_rope(y.view(T, H, D), c, s, nope, R, style)
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=False,
               scale_mode="rceil")
-    (out,) = rope_quant(y, c, s, mode="fp32", columnwise=False, **kw)
+    out = rope_quant(y, c, s, mode="fp32", columnwise=False, **kw)[0]
     assert_bytes_equal(out.view(T, H, D), y_ref, "rope fp32")
     rd, rs, cd, cs = rope_quant(y, c, s, mode="mxfp8", columnwise=True, **kw)
     ref = RQ.quantize_output(y_ref, cfg)
@@ -108,7 +120,7 @@ def test_rope_quant_forward(style, geom):
     assert_bytes_equal(rs.view(T, H, D // 32), ref[1], "q rowwise scale")
     assert_bytes_equal(cd.view(T, H, D), ref[2], "q columnwise data")
     assert_bytes_equal(cs.view(-1, H, D), ref[3], "q columnwise scale")
-    (ob,) = rope_quant(y, c, s, mode="bf16", columnwise=False, **kw)
+    ob = rope_quant(y, c, s, mode="bf16", columnwise=False, **kw)[0]
     assert_bytes_equal(ob.view(T, H, D), y_ref.to(torch.bfloat16), "q bf16")
 
 
@@ -122,9 +134,9 @@ def test_rope_quant_inverse_and_images(style, geom):
     cfg = QProjConfig.make(32, H, nope, R, D, rope_style=style)
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=True,
               scale_mode="rceil")
-    (out,) = rope_quant(g, c, s, mode="fp32", columnwise=False, **kw)
+    out = rope_quant(g, c, s, mode="fp32", columnwise=False, **kw)[0]
     assert_bytes_equal(out.view(T, H, D), RR.apply_rope_inverse(g.view(T, H, D), c, s, nope, R, style), "inverse")
-    row, col = rope_quant(g, c, s, mode="mxfp8_images", columnwise=True, **kw)
+    row, _, col, _ = rope_quant(g, c, s, mode="mxfp8_images", columnwise=True, **kw)
     rrow, rcol = RQ.grad_operands(g.view(T, H, D), c, s, cfg)
     assert_bytes_equal(row, rrow.to(torch.bfloat16), "dgrad operand")
     assert_bytes_equal(col, rcol.to(torch.bfloat16), "wgrad operand")
@@ -162,34 +174,45 @@ def test_rope_fast_kernel_matches_general(style, inverse, scale_mode):
               scale_mode=scale_mode)
     modes = (("mxfp8", True), ("mxfp8_images", True)) + (() if compiled else (("bf16", False), ("fp32", False)))
     for mode, col in modes:
-        fast = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, **kw)
-        slow = rope_quant(y, c, s, mode=mode, columnwise=col, fast=False, **kw)
+        fast = rope_quant(y, c, s, mode=mode, columnwise=col, **kw)  # the default: the contiguous-tile kernel
+        slow = rope_quant(y, c, s, mode=mode, columnwise=col, config=GATHER, **kw)
         for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
             _same_bytes_or_both_nan(a, b, f"{mode} output {i}")
-        if mode == "mxfp8_images":  # default on the GPU: no NaN-sign fix, multipliers from the amax bits; the others
-            others = [dict(IMAGE_NAN_SIGN=True)] + ([dict(FAST_SCALE=False)] if compiled else [])
-            for kn in others:
-                alt = rope_quant(y, c, s, mode=mode, columnwise=col, fast=True, **kn, **kw)
-                for i, (a, b) in enumerate(zip(alt, slow, strict=True)):
-                    _same_bytes_or_both_nan(a, b, f"{mode} output {i} ({kn})")
 
 
-@pytest.mark.parametrize("heads", [2, 4])
-@pytest.mark.parametrize("R", [64, 128], ids=["one_rope_chunk", "two_rope_chunks"])
-def test_rope_fast_kernel_heads_per_program(heads, R):
-    """Several heads per program (a runtime loop over the heads) give the bytes of one head per program."""
-    H, nope, D, T = 4, 32, 32 + R, 45
+@pytest.mark.parametrize("P", [64, 96], ids=["pass_w64_default", "pass_w32_default"])
+def test_rope_fast_kernel_configs(P):
+    """The contiguous-tile kernel's other launch configs give the default's bytes: 32-wide pass-through tiles where
+    64 divide qk_head_dim, a token-major grid, 4 warps; and configs that do not fit the geometry are refused."""
+    H, R = 3, 64
+    D, T = P + R, 45
     g = torch.Generator().manual_seed(3)
     y = (torch.randn(T, H * D, generator=g) * 5).to(DEVICE)
-    y[2, D + nope + 1] = float("nan")
+    y[2, D + P + 1] = float("nan")
     c, s = torch.randn(T, R // 2, generator=g).to(DEVICE), torch.randn(T, R // 2, generator=g).to(DEVICE)
-    kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style="deepseek", inverse=True,
-              scale_mode="rceil", fast=True)
+    kw = dict(num_heads=H, head_dim=D, qk_head_dim=P, rope_dim=R, rope_style="deepseek", inverse=True,
+              scale_mode="rceil", columnwise=True)
+    base = RopeQuantConfig(FAST=True, PASS_W=64 if P % 64 == 0 else 32, HEAD_MAJOR=True, num_warps=1)
+    others = [dataclasses.replace(base, HEAD_MAJOR=False), dataclasses.replace(base, num_warps=4)]
+    if P % 64 == 0:
+        others.append(dataclasses.replace(base, PASS_W=32))
     for mode in ("mxfp8", "mxfp8_images"):
-        one = rope_quant(y, c, s, mode=mode, columnwise=True, HEADS=1, **kw)
-        many = rope_quant(y, c, s, mode=mode, columnwise=True, HEADS=heads, **kw)
-        for i, (a, b) in enumerate(zip(many, one, strict=True)):
-            _same_bytes_or_both_nan(a, b, f"{mode} output {i}, HEADS={heads}")
+        one = rope_quant(y, c, s, mode=mode, config=base, **kw)
+        for i, (a, b) in enumerate(zip(rope_quant(y, c, s, mode=mode, **kw), one, strict=True)):
+            _same_bytes_or_both_nan(a, b, f"{mode} output {i}, default config")
+        for conf in others:
+            many = rope_quant(y, c, s, mode=mode, config=conf, **kw)
+            for i, (a, b) in enumerate(zip(many, one, strict=True)):
+                _same_bytes_or_both_nan(a, b, f"{mode} output {i}, {conf}")
+    if P % 64:
+        with pytest.raises(ValueError, match="PASS_W"):
+            rope_quant(y, c, s, mode="mxfp8", config=dataclasses.replace(base, PASS_W=64), **kw)
+    with pytest.raises(ValueError, match="FAST"):  # a trailing pass-through of 16 columns: gather kernel only
+        rope_quant(torch.zeros(T, 2 * 96, device=DEVICE), c, s, num_heads=2, head_dim=96, qk_head_dim=16, rope_dim=R,
+                   rope_style="deepseek", inverse=False, mode="fp32", columnwise=False, scale_mode="rceil",
+                   config=base)
+    with pytest.raises(TypeError, match="RopeQuantConfig"):
+        rope_quant(y, c, s, mode="mxfp8", config={"FAST": True}, **kw)
 
 
 @pytest.mark.parametrize("style", ["deepseek", "neox", "gptj"])
@@ -204,34 +227,30 @@ def test_rope_kernel_stays_inside_heads(style, geom):
     poisoned[..., nope + R:] = float("nan")
     c, s = torch.rand(T, R // 2, device=DEVICE), torch.rand(T, R // 2, device=DEVICE)
     for inverse in (False, True):
-        (out,) = rope_quant(poisoned.reshape(T, -1), c, s, num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R,
-                            rope_style=style, inverse=inverse, mode="fp32", columnwise=False, scale_mode="rceil")
+        out = rope_quant(poisoned.reshape(T, -1), c, s, num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R,
+                         rope_style=style, inverse=inverse, mode="fp32", columnwise=False, scale_mode="rceil")[0]
         assert torch.isfinite(out.view(T, H, D)[..., nope:nope + R]).all()
 
 
 @pytest.mark.parametrize("zc", [False, True])
-@pytest.mark.parametrize("T, rows, prefetch, two", [(45, None, True, False), (700, None, True, False),
-                                                    (700, 2, True, True), (1500, 8, False, True),
-                                                    (700, None, True, True), (300, None, False, False)])
-def test_rmsnorm_bwd(zc, T, rows, prefetch, two):
-    """T = 700 with one program per SM's worth (132): 8 rows per program (the last one partial), stepped 1 / 2 at
-    a time, the next step's rows prefetched; 1500: 16 per program, a step of 8 rows, no prefetch. two: a row as two
-    chunks (K = 96 = 64 + 32) and the partials summed [16 partials, 16 columns] at a time (several unrolled steps)."""
-    K = 96
+@pytest.mark.parametrize("T, K, small_sum", [(45, 96, False), (700, 96, False), (700, 96, True), (1500, 96, True),
+                                             (300, 128, False), (700, 128, True)])
+def test_rmsnorm_bwd(zc, T, K, small_sum):
+    """T = 700 with one program per SM's worth (132): 8 rows per program (the last one partial), the next row
+    prefetched; 1500: 16 per program. K = 96 is a row as two chunks (64 + 32), K = 128 one. small_sum: the partials
+    summed [16 partials, 16 columns] at a time (several unrolled steps)."""
     x = torch.randn(T, K, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(K, device=DEVICE)
     dxn = torch.randn(T, K, device=DEVICE)
     _, rs = RQ.rmsnorm_fwd(x, w, 1e-6, zc)
-    knobs = {"PREFETCH": prefetch, "PROGS_PER_SM": 4 if T < 132 else 1, "TWO_CHUNKS": two}
-    if two:
-        knobs.update(SUM_BLOCK_P=16, SUM_BLOCK_K=16)
-    if rows is not None:
-        knobs["ROWS"] = rows
-    dx, dg = rmsnorm_bwd(dxn, x, rs, w, zc, **knobs)
+    conf = RMSNormBwdConfig(num_warps=4, progs_per_sm=4 if T < 132 else 1)
+    if small_sum:
+        conf = dataclasses.replace(conf, SUM_BLOCK_P=16, SUM_BLOCK_K=16)
+    dx, dg = rmsnorm_bwd(dxn, x, rs, w, zc, config=conf)
     rdx, rdg = RQ.rmsnorm_bwd(dxn, x, rs, w, zc)
     assert_rel_err(dx.float(), rdx.float(), 1e-2, "dx")
     assert_rel_err(dg, rdg, 1e-5, "dnorm_weight")
-    dx2, dg2 = rmsnorm_bwd(dxn, x, rs, w, zc, **knobs)
+    dx2, dg2 = rmsnorm_bwd(dxn, x, rs, w, zc, config=conf)
     assert_bytes_equal(dg2, dg, "dnorm_weight determinism")
     assert_bytes_equal(dx2, dx, "dx determinism")
 
@@ -257,7 +276,10 @@ def test_gpu_full_size_kernels():
 
 def test_custom_ops_opcheck():
     """The torch.library registrations (schemas, fake implementations) that torch.compile relies on."""
-    from mla_qproj import ops
+    from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16_op, mxfp8_quantize_2d_op
+    from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd_op
+    from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
+    from mla_qproj.kernels.rope_quant import rope_quant_op
 
     T, H, D, K = 33, 2, 64, 64
     x = torch.randn(T, K, device=DEVICE, dtype=torch.bfloat16)
@@ -265,19 +287,24 @@ def test_custom_ops_opcheck():
     y = torch.randn(T, H * D, device=DEVICE)
     c, s = torch.randn(T, 16, device=DEVICE), torch.randn(T, 16, device=DEVICE)
     tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(ops.mxfp8_quantize_2d_op.op, (y, True, True, "rceil"), test_utils=tests)
-    for colwise in (True, False):
-        torch.library.opcheck(ops.rmsnorm_quant_fwd_op.op, (x, w, 1e-6, False, "mxfp8", "rceil", colwise),
-                              test_utils=tests)
+    torch.library.opcheck(mxfp8_quantize_2d_op.op, (y, True, True, "rceil"), test_utils=tests)
+    for precision in ("mxfp8", "bf16"):
+        cfg = QProjConfig.make(K, H, 16, 32, D, precision=precision).encode()
+        for colwise in (True, False):
+            torch.library.opcheck(rmsnorm_quant_fwd_op.op, (x, w, cfg, colwise), test_utils=tests)
+    cfg = QProjConfig.make(K, H, 16, 32, D).encode()
     for mode in ("mxfp8", "mxfp8_images", "bf16", "fp32"):
-        args = (y, c, s, H, D, 16, 32, "deepseek", mode == "mxfp8_images", mode, mode != "bf16", "rceil")
-        torch.library.opcheck(ops.rope_quant_op.op, args, test_utils=tests)
+        args = (y, c, s, cfg, mode == "mxfp8_images", mode, mode != "bf16")
+        torch.library.opcheck(rope_quant_op.op, args, test_utils=tests)
     cd, cs = RM.quantize_columnwise(y)
     # test_schema compares fp8 inputs with a multiply that CPU torch lacks for float8: fake tensors only
-    torch.library.opcheck(ops.dequantize_columnwise_bf16_op.op, (cd, cs), test_utils=("test_faketensor",))
+    torch.library.opcheck(dequantize_columnwise_bf16_op.op, (cd, cs), test_utils=("test_faketensor",))
     rs = torch.rand(T, device=DEVICE) + 0.5
-    torch.library.opcheck(ops.rmsnorm_bwd_op.op, (torch.randn(T, K, device=DEVICE), x, rs, w, False),
-                          test_utils=tests)
+    torch.library.opcheck(rmsnorm_bwd_op.op, (torch.randn(T, K, device=DEVICE), x, rs, w, False), test_utils=tests)
+    # a strided x: the fake's dx is contiguous like the launcher's
+    xs = torch.randn(K, T, device=DEVICE, dtype=torch.bfloat16).t()
+    torch.library.opcheck(rmsnorm_bwd_op.op, (torch.randn(T, K, device=DEVICE), xs, rs, w, False),
+                          test_utils=("test_faketensor",))
 
 
 @pytest.mark.parametrize("T", [1, 45, 96])
@@ -340,8 +367,8 @@ def test_rope_quant_table_checks():
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style="deepseek", inverse=False,
               mode="fp32", columnwise=False, scale_mode="rceil")
     half = c[:, : R // 2]  # a strided view: accepted as is
-    (out,) = rope_quant(y, half, half, **kw)
-    (ref,) = rope_quant(y, half.contiguous(), half.contiguous(), **kw)
+    out = rope_quant(y, half, half, **kw)[0]
+    ref = rope_quant(y, half.contiguous(), half.contiguous(), **kw)[0]
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="cos_h"):
         rope_quant(y, half[:-1], half[:-1], **kw)  # T - 1 rows
@@ -372,7 +399,7 @@ def test_rmsnorm_quant_bf16_subnormal_input(split):
     x = bf16_subnormal_heavy((T, K), 3).to(DEVICE)
     w = torch.randn(K, device=DEVICE)
     for scale_mode in ("rceil", "floor"):
-        rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-30, False, "mxfp8", scale_mode, SPLIT=split)
+        rs, a, cd, cs = rmsnorm_quant_fwd(x, w, 1e-30, False, "mxfp8", scale_mode, config=norm_config(T, K, split))
         _, rs_ref = RQ.rmsnorm_fwd(x, w, 1e-30, False)
         assert_rel_err(rs, rs_ref, 1e-6, "rsigma")
         xn = x.float() * rs[:, None] * w
@@ -392,7 +419,7 @@ def test_rope_quant_bf16_subnormal_gradient(geom):
     c, s = torch.rand(T, R // 2, device=DEVICE), torch.rand(T, R // 2, device=DEVICE)
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style="deepseek", scale_mode="floor")
     ref = RR.apply_rope_inverse(g.float().view(T, H, D), c, s, nope, R, "deepseek").reshape(T, H * D)
-    (out,) = rope_quant(g, c, s, inverse=True, mode="fp32", columnwise=False, **kw)
+    out = rope_quant(g, c, s, inverse=True, mode="fp32", columnwise=False, **kw)[0]
     assert_bytes_equal(out, ref, "inverse rope fp32")
     rd, rs, cd, cs = rope_quant(g, c, s, inverse=True, mode="mxfp8", columnwise=True, **kw)
     rrd, rrs = RM.quantize_rowwise(ref, "floor")

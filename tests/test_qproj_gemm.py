@@ -575,7 +575,7 @@ def test_gemm_custom_ops(operands, fmt, col, device):
     """`mla_qproj::qproj_gemm_fwd` / `qproj_gemm_fp8_fwd`: the launcher's bytes in eager mode (None for absent
     outputs) and through the registered op (empty tensors), and opcheck's schema and fake-tensor tests (the fake is
     the launcher's allocation)."""
-    from mla_qproj.ops import qproj_gemm_fp8_fwd_op, qproj_gemm_fwd_op
+    from mla_qproj.kernels.qproj_gemm import qproj_gemm_fp8_fwd_op, qproj_gemm_fwd_op
 
     cfg = _cfg(128, 2, 128, 64, 192, "neox", fmt, col)
     geo = (2, 128, 64, 192, "neox", fmt, col, "rceil")

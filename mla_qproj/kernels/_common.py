@@ -1,4 +1,6 @@
-"""Triton twins of `reference/mxfp8.py` (same names, same steps) and the RoPE index maps.
+"""Triton twins of `reference/mxfp8.py` (same names, same steps), the forms the kernels call (one per concept,
+switched on EMULATED: `amax`, `quantize_e4m3`, `to_bf16`, `widen`; `mx_quantize` / `mx_image` for MXFP8 tiles) and
+the RoPE index maps.
 
 SPEC §2: the element rounding is done explicitly in fp32 onto the E4M3 grid and only then cast, because
 Triton's interpreter mis-rounds fp32 -> float8e4nv casts of off-grid values (on-grid casts are exact).
@@ -97,13 +99,13 @@ def round_to_e4m3_grid(x):
 
 
 @triton.jit
-def quantize_to_e4m3(x, byte, SCALE_MODE: tl.constexpr):
-    """Elements of one block: round(x * r) on the E4M3 grid, then the (exact) cast. NaN is written as the
-    E4M3 NaN code 0x7F with its sign explicitly (the interpreter's cast of NaN gives other codes)."""
-    y = round_to_e4m3_grid(x * quant_multiplier(byte, SCALE_MODE))
-    code = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+def encode_e4m3(y, x):
+    """E4M3 codes of y = x * r (fp32): round onto the E4M3 grid, then the (exact) cast. NaN is written as the
+    E4M3 NaN code 0x7F with x's sign explicitly (the interpreter's cast of NaN gives other codes)."""
+    yr = round_to_e4m3_grid(y)
+    code = yr.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     nan_code = (0x7F | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
-    return tl.where(y == y, code, nan_code).to(tl.float8e4nv, bitcast=True)
+    return tl.where(yr == yr, code, nan_code).to(tl.float8e4nv, bitcast=True)
 
 
 @triton.jit
@@ -147,7 +149,7 @@ def rope_sources(p, HALF: tl.constexpr, STYLE: tl.constexpr, INVERSE: tl.constex
 
 
 @triton.jit
-def round_to_bf16(x):
+def _round_to_bf16_bits(x):
     """fp32 -> bf16 with round-to-nearest-even done on the bits, then the (exact) cast: the interpreter's
     fp32 -> bf16 cast does not round to nearest-even, the GPU's does; this makes both match torch."""
     bits = x.to(tl.int32, bitcast=True)
@@ -156,15 +158,15 @@ def round_to_bf16(x):
     return tl.where(x == x, y, x).to(tl.bfloat16)
 
 
-# ------------------------------------------------------------------ GPU fast forms (same bytes, fewer instructions)
-# EMULATED (a constexpr: the interpreter, or a CPU tensor) selects the explicit forms above; on the GPU the hardware
-# instructions give the same bytes: max.f32 ignores NaN, cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even and
-# saturates to ±448, cvt.rn.bf16.f32 rounds to nearest even.
+# ------------------------------------------------------------------ switched forms (same bytes, fewer instructions)
+# What the kernels call. EMULATED (a constexpr: the interpreter, or a CPU tensor; `kernels._op.emulated`) selects the
+# explicit forms above; on the GPU the hardware instructions give the same bytes: max.f32 ignores NaN,
+# cvt.rn.satfinite.e4m3x2.f32 rounds to nearest even and saturates to ±448, cvt.rn.bf16.f32 rounds to nearest even.
 
 
 @triton.jit
-def amax_nan_ignoring(x, axis: tl.constexpr, EMULATED: tl.constexpr):
-    """max |x| along axis ignoring NaN (NaN only when all are NaN)."""
+def amax(x, axis: tl.constexpr, EMULATED: tl.constexpr):
+    """max |x| along axis ignoring NaN (NaN only when all are NaN): `nan_ignoring_amax`, or max.f32 on the GPU."""
     if EMULATED:
         m = nan_ignoring_amax(x, axis)
     else:
@@ -174,11 +176,12 @@ def amax_nan_ignoring(x, axis: tl.constexpr, EMULATED: tl.constexpr):
 
 @triton.jit
 def quantize_e4m3(x, byte, SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
-    """`quantize_to_e4m3` with the hardware cast on the GPU; NaN keeps its sign (0x7F | sign) on both paths
-    (the GPU's multiply and cast canonicalize NaN to +NaN). NAN_SIGN=False (GPU only, for codes that only feed a
-    bf16 image, where NaN-ness is all that counts) skips that fix: ~4 instructions per element."""
+    """E4M3 codes of x * quant_multiplier(byte): `encode_e4m3`, or the hardware cast on the GPU; NaN keeps its sign
+    (0x7F | sign) on both paths (the GPU's multiply and cast canonicalize NaN to +NaN). NAN_SIGN=False (GPU only, for
+    codes that only feed a bf16 image, where NaN-ness is all that counts) skips that fix: ~4 instructions per
+    element."""
     if EMULATED:
-        q = quantize_to_e4m3(x, byte, SCALE_MODE)
+        q = encode_e4m3(x * quant_multiplier(byte, SCALE_MODE), x)
     elif NAN_SIGN:
         code = (x * quant_multiplier(byte, SCALE_MODE)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         nan_code = (0x7F | ((x.to(tl.int32, bitcast=True) >> 24) & 0x80)).to(tl.uint8)
@@ -193,7 +196,7 @@ def mx_quantize(b_x, AXIS: tl.constexpr, SCALE_MODE: tl.constexpr, EMULATED: tl.
     """MXFP8 of a tile whose AXIS spans exactly one block (32 elements; a partial block's missing elements are
     NaN, which the amax ignores): (E4M3 codes shaped like b_x, E8M0 bytes with AXIS reduced). The one tile
     quantizer of every MXFP8 kernel (SPEC §2)."""
-    b_byte = e8m0_from_amax(amax_nan_ignoring(b_x, AXIS, EMULATED), SCALE_MODE)
+    b_byte = e8m0_from_amax(amax(b_x, AXIS, EMULATED), SCALE_MODE)
     return quantize_e4m3(b_x, tl.expand_dims(b_byte, AXIS), SCALE_MODE, EMULATED, NAN_SIGN), b_byte
 
 
@@ -227,7 +230,7 @@ def image_multipliers_rceil(amax):
 def to_bf16(x, EMULATED: tl.constexpr):
     """fp32 -> bf16, round to nearest even (explicit bits in the interpreter, cvt.rn on the GPU)."""
     if EMULATED:
-        y = round_to_bf16(x)
+        y = _round_to_bf16_bits(x)
     else:
         y = x.to(tl.bfloat16)
     return y
@@ -241,6 +244,20 @@ def dequantize_e4m3(q, byte, x, EMULATED: tl.constexpr):
     if EMULATED:
         v = tl.where(x == x, v, x)
     return v
+
+
+@triton.jit
+def mx_image(b_x, AXIS: tl.constexpr, SCALE_MODE: tl.constexpr, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
+    """The exact image (fp32, exact in bf16) of `mx_quantize(b_x, AXIS, ...)`: the codes decoded with their scales.
+    On the GPU with rceil and NAN_SIGN=False the code's multiplier and the image's scale come straight from the amax
+    (`image_multipliers_rceil`: no scale byte formed)."""
+    if (not EMULATED) and (not NAN_SIGN) and SCALE_MODE == "rceil":
+        b_r, b_s = image_multipliers_rceil(amax(b_x, AXIS, False))
+        b_img = (b_x * tl.expand_dims(b_r, AXIS)).to(tl.float8e4nv).to(tl.float32) * tl.expand_dims(b_s, AXIS)
+    else:
+        b_q, b_byte = mx_quantize(b_x, AXIS, SCALE_MODE, EMULATED, NAN_SIGN)
+        b_img = dequantize_e4m3(b_q, tl.expand_dims(b_byte, AXIS), b_x, EMULATED)
+    return b_img
 
 
 # ------------------------------------------------------------------------------------------------ host checks
@@ -270,3 +287,8 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# the switched amax's earlier name, still imported by kernels/qproj_gemm.py, _fp8_block.py, rmsnorm_fp8_block.py and
+# rope_fp8_block.py (edited on other branches now): to go once those import `amax`
+amax_nan_ignoring = amax

@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import interpreter_enabled
 from ..reference.fp8_block import FP8_BLOCK, check_block_shape
-from ._common import amax_nan_ignoring, cdiv
+from . import _op
+from ._common import amax, cdiv
 from ._fp8_block import (
     block_amax,
     check_block_scale,
@@ -43,12 +43,12 @@ def _fp8_block_quant_kernel(
     b_sign = nan_sign(b_raw)  # the input's NaN signs are kept (SPEC §2 element rules)
     if BM == 1:
         tl.static_assert(BN == BLOCK_N)  # 1x128 along N: one block per row of the tile
-        b_scale, b_sinv = fp8_block_scale(amax_nan_ignoring(b_x, 1, EMULATED), POW2)  # [BLOCK_M]
+        b_scale, b_sinv = fp8_block_scale(amax(b_x, 1, EMULATED), POW2)  # [BLOCK_M]
         b_q = quantize_with_scale(b_x, b_scale[:, None], b_sign, EMULATED, True)
         tl.store(sinv_ptr + o_m * NB_N + i_n, b_sinv, mask=m_m)
     elif BN == 1:
         tl.static_assert(BM == BLOCK_M)  # 128x1 along M: one block per column of the tile
-        b_scale, b_sinv = fp8_block_scale(amax_nan_ignoring(b_x, 0, EMULATED), POW2)  # [BLOCK_N]
+        b_scale, b_sinv = fp8_block_scale(amax(b_x, 0, EMULATED), POW2)  # [BLOCK_N]
         b_q = quantize_with_scale(b_x, b_scale[None, :], b_sign, EMULATED, True)
         tl.store(sinv_ptr + i_m * N + o_n, b_sinv, mask=m_n)
     else:
@@ -107,7 +107,7 @@ def fp8_block_quantize_2d(x2d: torch.Tensor, block_shape=(1, FP8_BLOCK), block_s
     _fp8_block_quant_kernel[grid](
         x_ptr=x2d, stride_m=x2d.stride(0), stride_n=x2d.stride(1), data_ptr=data.view(torch.uint8), sinv_ptr=sinv,
         M=M, N=N, NB_N=cdiv(N, bn), BM=bm, BN=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        POW2=block_scale == "pow2", EMULATED=interpreter_enabled() or x2d.device.type != "cuda",
+        POW2=block_scale == "pow2", EMULATED=_op.emulated(x2d.device),
         num_warps=cfg.num_warps,
     )
     return data, sinv
@@ -116,13 +116,15 @@ def fp8_block_quantize_2d(x2d: torch.Tensor, block_shape=(1, FP8_BLOCK), block_s
 # ------------------------------------------------------------------------------------------------ custom op
 
 
-@torch.library.custom_op("mla_qproj::fp8_block_quantize", mutates_args=())
-def fp8_block_quantize_op(x2d: torch.Tensor, block_rows: int, block_cols: int,
-                          block_scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_block_quantize_2d` as a torch.library op (traceable by torch.compile; no host syncs)."""
+def _fp8_block_quantize_impl(x2d: torch.Tensor, block_rows: int, block_cols: int,
+                             block_scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_block_quantize_2d` on the op's arguments (traceable by torch.compile; no host syncs)."""
     return fp8_block_quantize_2d(x2d, (block_rows, block_cols), block_scale)
 
 
-@fp8_block_quantize_op.register_fake
-def _(x2d, block_rows, block_cols, block_scale):
+def _fp8_block_quantize_fake(x2d, block_rows, block_cols, block_scale):
     return fp8_block_quant_outputs(x2d, (block_rows, block_cols))
+
+
+fp8_block_quantize_op = _op.define_op("mla_qproj::fp8_block_quantize", _fp8_block_quantize_impl,
+                                      _fp8_block_quantize_fake)

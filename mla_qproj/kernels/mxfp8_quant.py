@@ -1,5 +1,7 @@
 """Standalone MXFP8 quantize kernel behind `mxfp8_quantize` (SPEC §2): one read of a [T, N] view gives the
-rowwise (32-blocks along N) and/or columnwise (32-blocks along T, last block partial) encodings."""
+rowwise (32-blocks along N) and/or columnwise (32-blocks along T, last block partial) encodings; and the bf16 image
+of a columnwise MXFP8 tensor (the wgrad operand of the saved xn). Custom ops `mla_qproj::mxfp8_quantize_2d`,
+`mla_qproj::dequantize_columnwise_bf16`."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import interpreter_enabled
 from .._constants import MX_BLOCK
+from . import _op
 from ._common import cdiv, e8m0_to_fp32, mx_quantize, widen
+
+Tensor = torch.Tensor
 
 
 @triton.jit
@@ -43,29 +47,33 @@ def _mxfp8_quant_kernel(
         tl.store(col_scale_ptr + i_t * N + o_n, b_byte.to(tl.uint8), mask=m_n)
 
 
-def mxfp8_quant_2d(x2d: torch.Tensor, rowwise: bool, columnwise: bool, scale_mode: str):
+def mxfp8_quant_outputs(x2d: Tensor, rowwise: bool, columnwise: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The outputs of `mxfp8_quant_2d` (also the op's fake): row data fp8 [T, N], row scale uint8 [T, N/32], col data
+    fp8 [T, N], col scale uint8 [ceil(T/32), N]; an absent orientation's pair is empty."""
+    T, N = x2d.shape
+    e, f8, u8 = x2d.new_empty, torch.float8_e4m3fn, torch.uint8
+    return (e((T, N) if rowwise else (0,), dtype=f8), e((T, N // MX_BLOCK) if rowwise else (0,), dtype=u8),
+            e((T, N) if columnwise else (0,), dtype=f8), e((cdiv(T, MX_BLOCK), N) if columnwise else (0,), dtype=u8))
+
+
+def mxfp8_quant_2d(x2d: Tensor, rowwise: bool, columnwise: bool, scale_mode: str) -> tuple[
+        Tensor, Tensor, Tensor, Tensor]:
     """Quantize a 2-D view [T, N] (any strides). Returns (row_data, row_scale, col_data, col_scale); absent
     orientations are empty tensors. Rowwise needs N % 32 == 0 (checked by the caller)."""
     T, N = x2d.shape
-    dev = x2d.device
-    f8 = torch.float8_e4m3fn
-    nbt = cdiv(T, MX_BLOCK)
-    rd = torch.empty((T, N) if rowwise else (0,), dtype=f8, device=dev)
-    rs = torch.empty((T, N // MX_BLOCK) if rowwise else (0,), dtype=torch.uint8, device=dev)
-    cd = torch.empty((T, N) if columnwise else (0,), dtype=f8, device=dev)
-    cs = torch.empty((nbt, N) if columnwise else (0,), dtype=torch.uint8, device=dev)
+    rd, rs, cd, cs = mxfp8_quant_outputs(x2d, rowwise, columnwise)
     if T == 0 or N == 0:
         return rd, rs, cd, cs
     BLOCK_N = 128 if N >= 128 else 64 if N >= 64 else 32
 
     def grid(meta):
-        return (nbt, cdiv(N, meta["BLOCK_N"]))
+        return (cdiv(T, MX_BLOCK), cdiv(N, meta["BLOCK_N"]))
 
     _mxfp8_quant_kernel[grid](
         x_ptr=x2d, stride_xt=x2d.stride(0), stride_xn=x2d.stride(1),
         row_data_ptr=rd, row_scale_ptr=rs, col_data_ptr=cd, col_scale_ptr=cs,
         T=T, N=N, ROWWISE=rowwise, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, BLOCK_N=BLOCK_N,
-        EMULATED=interpreter_enabled() or dev.type != "cuda", num_warps=4,
+        EMULATED=_op.emulated(x2d.device), num_warps=4,
     )
     return rd, rs, cd, cs
 
@@ -89,12 +97,35 @@ def _dequant_colwise_kernel(data_ptr, scale_ptr, out_ptr, T, N, BLOCK_N: tl.cons
     tl.store(out_ptr + o_t[:, None] * N + o_n[None, :], b_v.to(tl.bfloat16), mask=m)
 
 
-def dequantize_columnwise_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_columnwise_outputs(data: Tensor) -> Tensor:
+    """The output of `dequantize_columnwise_bf16` (also the op's fake): bf16 [T, N], contiguous."""
+    return data.new_empty(tuple(data.shape), dtype=torch.bfloat16)
+
+
+def dequantize_columnwise_bf16(data: Tensor, scale: Tensor) -> Tensor:
     """data fp8 [T, N] contiguous, scale uint8 [ceil(T/32), N] -> the exact bf16 image [T, N] (one pass)."""
     T, N = data.shape
-    out = torch.empty((T, N), dtype=torch.bfloat16, device=data.device)
+    out = dequantize_columnwise_outputs(data)
     if T and N:
         BLOCK_N = 128 if N >= 128 else 64 if N >= 64 else 32
         _dequant_colwise_kernel[(cdiv(T, MX_BLOCK), cdiv(N, BLOCK_N))](
             data_ptr=data, scale_ptr=scale, out_ptr=out, T=T, N=N, BLOCK_N=BLOCK_N, num_warps=4)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ custom ops
+
+
+def _mxfp8_quantize_2d_fake(x2d, rowwise, columnwise, scale_mode):
+    return mxfp8_quant_outputs(x2d, rowwise, columnwise)
+
+
+mxfp8_quantize_2d_op = _op.define_op("mla_qproj::mxfp8_quantize_2d", mxfp8_quant_2d, _mxfp8_quantize_2d_fake)
+
+
+def _dequantize_columnwise_bf16_fake(data, scale):
+    return dequantize_columnwise_outputs(data)
+
+
+dequantize_columnwise_bf16_op = _op.define_op("mla_qproj::dequantize_columnwise_bf16", dequantize_columnwise_bf16,
+                                              _dequantize_columnwise_bf16_fake)

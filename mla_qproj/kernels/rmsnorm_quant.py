@@ -1,18 +1,22 @@
 """RMSNorm forward fused with the GEMM-input quantization (SPEC §1.1-1.2): rsigma per token, then per [32 tokens,
 BLOCK_K] tile xn = x * rsigma * g in fp32 -> the exact bf16 image of the rowwise MXFP8 xn (the forward GEMM's A
 operand) and the columnwise MXFP8 xn (saved for wgrad). xn is never rounded to bf16 before quantization;
-precision='bf16' writes xn rounded once to bf16 instead. Default launch (SPLIT): a small rsigma kernel, then one
-tile per program; SPLIT=False computes rsigma inside each program (x read twice, from L2 the second time)."""
+precision='bf16' writes xn rounded once to bf16 instead. Two launch forms (`RMSNormQuantConfig.SPLIT`): a small
+rsigma kernel, then one tile per program; or one kernel whose programs compute rsigma themselves (x read twice, from
+L2 the second time). Custom op `mla_qproj::rmsnorm_quant_fwd`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._config import interpreter_enabled
+from .._config import QProjConfig
 from .._constants import MX_BLOCK
-from ._common import cdiv, dequantize_e4m3, mx_quantize, to_bf16, widen
+from . import _op
+from ._common import cdiv, mx_image, mx_quantize, to_bf16, widen
 
 
 @triton.jit(do_not_specialize=["store_col"])  # one compiled kernel for 0 and 1 (Triton specializes ints == 1)
@@ -56,9 +60,7 @@ def _rmsnorm_quant_fwd_kernel(
         b_xn = b_x * b_rsigma[:, None] * b_g[None, :]  # [32, BLOCK_K], same op order as the reference
         p_a = a_ptr + o_t[:, None] * K + o_k[None, :]
         if PRECISION == "mxfp8":
-            b_xr = tl.reshape(b_xn, (32, NB, 32))
-            b_q, b_byte = mx_quantize(b_xr, 2, SCALE_MODE, EMULATED, True)  # b_byte [32, NB]
-            b_img = dequantize_e4m3(b_q, b_byte[:, :, None], b_xr, EMULATED)
+            b_img = mx_image(tl.reshape(b_xn, (32, NB, 32)), 2, SCALE_MODE, EMULATED, True)  # [32, NB, 32]
             tl.store(p_a, tl.reshape(b_img, (32, BLOCK_K)).to(tl.bfloat16), mask=m)  # exact image
             if COLWISE:
                 b_cq, b_cbyte = mx_quantize(b_xn, 0, SCALE_MODE, EMULATED, True)  # b_cbyte [BLOCK_K]
@@ -89,48 +91,106 @@ def _rsigma_kernel(x_ptr, stride_x, rsigma_ptr, T, eps, K: tl.constexpr, ROWS: t
     tl.store(rsigma_ptr + o_t, b_rsigma, mask=m_t)
 
 
-def _launch_conf(T: int, K: int, device: torch.device, **knobs) -> dict:
-    """Launch knobs (defaults measured on an H200, see BENCHMARKS.md); knobs override (benchmarks, tests)."""
+@dataclass(frozen=True)
+class RMSNormQuantConfig:
+    """Launch parameters of `rmsnorm_quant_fwd`; every config gives the same bytes. Upper-case fields are kernel
+    constexprs, lower-case ones launch options.
+
+    SPLIT: rsigma by `_rsigma_kernel` first (RS_ROWS tokens per program in [RS_ROWS, RS_BLOCK_K] steps,
+    rs_num_warps), then one [32, BLOCK_K] tile per program; else one kernel, a program per 32 tokens reducing its
+    rsigma and walking the whole row in [32, BLOCK_K] steps. num_warps: the quantize kernel's warps."""
+
+    SPLIT: bool
+    BLOCK_K: int
+    num_warps: int
+    RS_ROWS: int = 4
+    RS_BLOCK_K: int = 512
+    rs_num_warps: int = 4
+
+
+SPLIT_MIN_T = 2048  # below this the call is host-bound: one launch
+
+
+def _default_config(T: int, K: int) -> RMSNormQuantConfig:
+    """From SPLIT_MIN_T tokens two launches with [32, 64] tiles and one warp (no serial loop in the quantize kernel);
+    below it the one-kernel form, [32, 128] steps with 4 warps (figures: BENCHMARKS.md)."""
     block_k = 128 if K >= 128 else 64 if K >= 64 else 32
-    # SPLIT: rsigma by its own kernel (ROWS tokens per program), then one [32, BLOCK_K] tile per program: no serial
-    # loops in the quantize kernel. H200, 2026-11-30, GPU time (CUDA-graph replays, scripts/kernel_sweep.py): one
-    # program per 32 tokens 0.037 / 0.089 ms at T = 4096 / 16384; two launches with [32, 64] tiles and one warp
-    # 0.019 / 0.063 ms ([32, 128], 2 warps: 0.023 / 0.079). Below 2048 tokens the call is host-bound: one launch.
-    split = T >= 2048
-    conf = dict(BLOCK_K=min(block_k, 64) if split else block_k, num_warps=1 if split else 4, SPLIT=split, ROWS=4,
-                RS_BLOCK_K=512, RS_WARPS=4, EMULATED=interpreter_enabled() or device.type != "cuda")
-    conf.update(knobs)
-    conf["CHUNK_K"] = conf["BLOCK_K"] if conf["SPLIT"] else K  # columns per program: one tile, or the whole row
-    return conf
+    if T >= SPLIT_MIN_T:
+        return RMSNormQuantConfig(SPLIT=True, BLOCK_K=min(block_k, 64), num_warps=1)
+    return RMSNormQuantConfig(SPLIT=False, BLOCK_K=block_k, num_warps=4)
+
+
+_DEFAULT_CONFIGS: dict[tuple, RMSNormQuantConfig] = {}
+
+
+def default_config(T: int, K: int, device: torch.device) -> RMSNormQuantConfig:
+    """The config `rmsnorm_quant_fwd` uses for [T, K] on device (the same on every device; kept by (T bucket, K):
+    building one costs microseconds of the launch's host time)."""
+    key = (T >= SPLIT_MIN_T, K)
+    config = _DEFAULT_CONFIGS.get(key)
+    if config is None:
+        config = _DEFAULT_CONFIGS[key] = _default_config(T, K)
+    return config
+
+
+def rmsnorm_quant_outputs(x2d: torch.Tensor, precision: str, columnwise: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs of `rmsnorm_quant_fwd` (also the op's fake): rsigma fp32 [T], A bf16 [T, K], col data fp8 [T, K],
+    col scale uint8 [ceil(T/32), K]; the columnwise pair is empty unless precision='mxfp8' and columnwise."""
+    T, K = x2d.shape
+    mx = precision == "mxfp8" and columnwise
+    e = x2d.new_empty
+    return (e((T,), dtype=torch.float32), e((T, K), dtype=torch.bfloat16),
+            e((T, K) if mx else (0,), dtype=torch.float8_e4m3fn),
+            e((cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8))
 
 
 def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
-                      precision: str, scale_mode: str, columnwise: bool = True, **knobs):
+                      precision: str, scale_mode: str, columnwise: bool = True,
+                      config: RMSNormQuantConfig | None = None) -> tuple[
+                          torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2d [T, K] (unit inner stride) -> (rsigma [T] fp32, A [T, K] bf16, col_data [T, K] fp8,
     col_scale [ceil(T/32), K] uint8); the columnwise pair (what the backward saves) is empty for precision='bf16'
-    or columnwise=False (inference: nothing is saved)."""
+    or columnwise=False (inference: nothing is saved). config: `default_config` unless given."""
     T, K = x2d.shape
-    dev = x2d.device
-    mx = precision == "mxfp8" and columnwise
-    rsigma = torch.empty(T, dtype=torch.float32, device=dev)
-    a = torch.empty((T, K), dtype=torch.bfloat16, device=dev)
-    cd = torch.empty((T, K) if mx else (0,), dtype=torch.float8_e4m3fn, device=dev)
-    cs = torch.empty((cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8, device=dev)
+    rsigma, a, cd, cs = rmsnorm_quant_outputs(x2d, precision, columnwise)
     if T == 0:
         return rsigma, a, cd, cs
-    conf = _launch_conf(T, K, x2d.device, **knobs)
-    split, rows, rs_block_k, rs_warps = (conf.pop(k) for k in ("SPLIT", "ROWS", "RS_BLOCK_K", "RS_WARPS"))
+    conf = default_config(T, K, x2d.device) if config is None else config
+    mx = precision == "mxfp8" and columnwise
+    split = conf.SPLIT
+    emulated = _op.emulated(x2d.device)
     if split:
-        _rsigma_kernel[(cdiv(T, rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
-                                         ROWS=rows, BLOCK_K=rs_block_k, EMULATED=conf["EMULATED"],
-                                         num_warps=rs_warps)
-    _rmsnorm_quant_fwd_kernel[(cdiv(T, 32), cdiv(K, conf["CHUNK_K"]))](
+        _rsigma_kernel[(cdiv(T, conf.RS_ROWS),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
+                                                 K=K, ROWS=conf.RS_ROWS, BLOCK_K=conf.RS_BLOCK_K, EMULATED=emulated,
+                                                 num_warps=conf.rs_num_warps)
+    chunk_k = conf.BLOCK_K if split else K  # columns per program: one tile, or the whole row
+    _rmsnorm_quant_fwd_kernel[(cdiv(T, 32), cdiv(K, chunk_k))](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma, a_ptr=a,
         col_data_ptr=cd if mx or split else cd.new_empty(1), col_scale_ptr=cs if mx or split else cs.new_empty(1),
         T=T, K=K, eps=eps, store_col=int(mx),
-        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, RSIGMA_GIVEN=split,
+        ZERO_CENTERED=zero_centered_gamma, PRECISION=precision, SCALE_MODE=scale_mode, BLOCK_K=conf.BLOCK_K,
+        CHUNK_K=chunk_k, EMULATED=emulated, RSIGMA_GIVEN=split,
         # the rsigma kernel's bits do not depend on the quantize kernel: its columnwise part can be compiled out;
         # the one-kernel form reduces rsigma itself, in an order its compiled layout decides: always compiled in
-        COLWISE=mx or (not split and precision == "mxfp8"), **conf,
+        COLWISE=mx or (not split and precision == "mxfp8"), num_warps=conf.num_warps,
     )
     return rsigma, a, cd, cs
+
+
+# ------------------------------------------------------------------------------------------------ custom op
+
+
+def _rmsnorm_quant_fwd_impl(x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: str, columnwise: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rmsnorm_quant_fwd` with the layer's eps, gamma form, precision and scale mode from cfg
+    (`QProjConfig.encode`)."""
+    c = QProjConfig.decode(cfg)
+    return rmsnorm_quant_fwd(x2d, norm_weight, c.eps, c.zero_centered_gamma, c.precision, c.scale_mode, columnwise)
+
+
+def _rmsnorm_quant_fwd_fake(x2d, norm_weight, cfg, columnwise):
+    return rmsnorm_quant_outputs(x2d, QProjConfig.decode(cfg).precision, columnwise)
+
+
+rmsnorm_quant_fwd_op = _op.define_op("mla_qproj::rmsnorm_quant_fwd", _rmsnorm_quant_fwd_impl, _rmsnorm_quant_fwd_fake)

@@ -78,7 +78,7 @@ class FP8Block(Recipe):
             y = ref8.block_scaled_mm(ad, asv, pw["wq"], pw["ws"], 1, FP8_BLOCK)
             return reference_query(y, cos_h, sin_h, cfg)
         if pw.get("fused") is not None:
-            from ..ops import qproj_gemm_fp8_fwd_op
+            from ..kernels.qproj_gemm import qproj_gemm_fp8_fwd_op
 
             outs = qproj_gemm_fp8_fwd_op(ad, asv, pw["fused"], pw["fused_sinv"], cos_h, sin_h, cfg.num_heads,
                                          cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_style,

@@ -40,10 +40,10 @@ def reference_query(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
 
 def rope_epilogue(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
     """The general forward's epilogue on the Triton path: y [T, N] fp32 -> RoPE + output quantization kernel."""
-    from ..ops import rope_quant_op
+    from ..kernels._op import encoded
+    from ..kernels.rope_quant import rope_quant_op
 
-    outs = rope_quant_op(y, cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim,
-                         cfg.rope_style, False, cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+    outs = rope_quant_op(y, cos_h, sin_h, encoded(cfg), False, cfg.output_format, cfg.columnwise_output)
     return query_outputs(*outs, y.shape[0], cfg)
 
 
@@ -71,7 +71,7 @@ class ImageRecipe(Recipe):
         if not use_triton:
             return reference_query(a.float() @ pw["fwd"].float().t(), cos_h, sin_h, cfg)
         if pw.get("fused") is not None:
-            from ..ops import qproj_gemm_fwd_op
+            from ..kernels.qproj_gemm import qproj_gemm_fwd_op
 
             outs = qproj_gemm_fwd_op(a, pw["fused"], cos_h, sin_h, cfg.num_heads, cfg.qk_head_dim, cfg.rope_dim,
                                      cfg.q_head_dim, cfg.rope_style, cfg.output_format, cfg.columnwise_output,
@@ -117,7 +117,7 @@ class MXFP8(ImageRecipe):
     def _images(self, w, cfg, use_triton):
         if not use_triton:
             return ref.prepare_weight(w, cfg)
-        from ..ops import mxfp8_quantize_2d_op
+        from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
 
         rd, rs, cd, cs = mxfp8_quantize_2d_op(w, True, True, cfg.scale_mode)
         return (ref_mx.dequantize_rowwise(rd, rs, torch.bfloat16),
@@ -128,10 +128,10 @@ class MXFP8(ImageRecipe):
             xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
             a = ref_mx.dequantize_rowwise(*ref_mx.quantize_rowwise(xn, cfg.scale_mode))
             return rsigma, (a,), ref_mx.quantize_columnwise(xn, cfg.scale_mode) if save else ()
-        from ..ops import rmsnorm_quant_fwd_op
+        from ..kernels._op import encoded
+        from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
 
-        rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, "mxfp8",
-                                                   cfg.scale_mode, save)
+        rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_weight, encoded(cfg), save)
         return rsigma, (a,), (xcd, xcs) if save else ()
 
     def gather_input(self, a, par: Parallel, cfg: QProjConfig, use_triton: bool):
@@ -147,14 +147,16 @@ class MXFP8(ImageRecipe):
         if not use_triton:
             row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
             return (row,), (col,)
-        from ..ops import mxfp8_quantize_2d_op, rope_quant_op
+        from ..kernels._op import encoded
+        from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
+        from ..kernels.rope_quant import rope_quant_op
 
-        args = (cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, True)
+        args = (cos_h, sin_h, encoded(cfg), True)
         if cfg.q_head_dim % 32 == 0:  # the N-blocks stay inside a head: one fused pass
-            row, _, col, _ = rope_quant_op(dq2d, *args, "mxfp8_images", True, cfg.scale_mode)
+            row, _, col, _ = rope_quant_op(dq2d, *args, "mxfp8_images", True)
             return (row,), (col,)
         # general geometry: N-blocks cross heads (partial last block): rotate, then quantize the [T, N] tensor
-        g = rope_quant_op(dq2d, *args, "fp32", False, cfg.scale_mode)[0]
+        g = rope_quant_op(dq2d, *args, "fp32", False)[0]
         _, _, cdt, cst = mxfp8_quantize_2d_op(g.t(), False, True, cfg.scale_mode)  # along N == columnwise of g^T
         _, _, cd, cs = mxfp8_quantize_2d_op(g, False, True, cfg.scale_mode)
         row = ref_mx.dequantize_columnwise(cdt, cst, torch.bfloat16).t()
@@ -163,7 +165,7 @@ class MXFP8(ImageRecipe):
     def _xn_image(self, saved, use_triton):
         if not use_triton:
             return ref_mx.dequantize_columnwise(*saved)
-        from ..ops import dequantize_columnwise_bf16_op
+        from ..kernels.mxfp8_quant import dequantize_columnwise_bf16_op
 
         return dequantize_columnwise_bf16_op(*saved)
 
@@ -182,20 +184,20 @@ class BF16(ImageRecipe):
             xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
             xb = xn.to(torch.bfloat16)
             return rsigma, (xb.float(),), (xb,) if save else ()
-        from ..ops import rmsnorm_quant_fwd_op
+        from ..kernels._op import encoded
+        from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
 
-        rsigma, a, _, _ = rmsnorm_quant_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, "bf16",
-                                               cfg.scale_mode, save)
+        rsigma, a, _, _ = rmsnorm_quant_fwd_op(x2d, norm_weight, encoded(cfg), save)
         return rsigma, (a,), (a,) if save else ()
 
     def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
         if not use_triton:
             row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
             return (row,), (col,)
-        from ..ops import rope_quant_op
+        from ..kernels._op import encoded
+        from ..kernels.rope_quant import rope_quant_op
 
-        g = rope_quant_op(dq2d, cos_h, sin_h, cfg.num_heads, cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim,
-                          cfg.rope_style, True, "bf16", False, cfg.scale_mode)[0]
+        g = rope_quant_op(dq2d, cos_h, sin_h, encoded(cfg), True, "bf16", False)[0]
         return (g,), (g,)
 
     def _xn_image(self, saved, use_triton):
