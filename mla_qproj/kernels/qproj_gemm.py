@@ -53,7 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._config import QProjConfig, interpreter_enabled
-from ._common import amax_nan_ignoring, cdiv, check_pair_tables, e8m0_from_amax, quantize_e4m3, to_bf16, widen
+from ._common import amax, cdiv, check_pair_tables, e8m0_from_amax, mx_quantize, quantize_e4m3, to_bf16, widen
 
 BLOCK_N = 256  # rows of W' per tile with the bf16 operands' half width HALF_N (W' tiles are 2·HB rows)
 # TMA-store epilogue from this many tokens: below it the call is host-bound and the two extra tensor descriptors
@@ -336,8 +336,8 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
         tl.static_assert(OUT_FORMAT == "mxfp8")
         if not PAIRED:
             b_y3 = tl.reshape(b_y, [BLOCK_M, HB // 32, 32])
-            b_byte = e8m0_from_amax(amax_nan_ignoring(b_y3, 2, EMULATED), SCALE_MODE)  # [BLOCK_M, HB // 32]
-            b_q = tl.reshape(quantize_e4m3(b_y3, b_byte[:, :, None], SCALE_MODE, EMULATED, False), [BLOCK_M, HB])
+            b_q, b_byte = mx_quantize(b_y3, 2, SCALE_MODE, EMULATED, False)  # b_byte [BLOCK_M, HB // 32]
+            b_q = tl.reshape(b_q, [BLOCK_M, HB])
             if TMA_STORE:
                 _tma_store_half(yd_pass, yd_rope, b_q, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
@@ -347,8 +347,8 @@ def _store_half(b_y, i_m, i_n, o_t, m_t, o_tb, y_ptr, rs_ptr, cd_ptr, cs_ptr, yd
         if COLWISE:
             # rows past T become NaN: ignored by the amax, so a partial block's amax is over the rows that exist
             b_c3 = tl.reshape(tl.where(m_t[:, None], b_y, float("nan")), [BLOCK_M // 32, 32, HB])
-            b_cbyte = e8m0_from_amax(amax_nan_ignoring(b_c3, 1, EMULATED), SCALE_MODE)  # [BLOCK_M // 32, HB]
-            b_cq = tl.reshape(quantize_e4m3(b_c3, b_cbyte[:, None, :], SCALE_MODE, EMULATED, False), [BLOCK_M, HB])
+            b_cq, b_cbyte = mx_quantize(b_c3, 1, SCALE_MODE, EMULATED, False)  # b_cbyte [BLOCK_M // 32, HB]
+            b_cq = tl.reshape(b_cq, [BLOCK_M, HB])
             if TMA_STORE:
                 _tma_store_half(cd_pass, cd_rope, b_cq, i_m, i_n, HALF, BLOCK_M, HB, P, R, NT_PASS)
             else:
@@ -480,8 +480,8 @@ def _epilogue(b_lo, b_hi, i_m, i_n, cos_ptr, sin_ptr, stride_cs, y_ptr, rs_ptr, 
         N: tl.constexpr = H * D
         b_l3 = tl.reshape(b_lo, [BLOCK_M, HB // 16, 16])
         b_h3 = tl.reshape(b_hi, [BLOCK_M, HB // 16, 16])
-        b_ml = amax_nan_ignoring(b_l3, 2, EMULATED)  # [BLOCK_M, HB // 16]
-        b_mh = amax_nan_ignoring(b_h3, 2, EMULATED)
+        b_ml = amax(b_l3, 2, EMULATED)  # [BLOCK_M, HB // 16]
+        b_mh = amax(b_h3, 2, EMULATED)
         b_m = tl.where(b_ml != b_ml, b_mh, tl.where(b_mh != b_mh, b_ml, tl.maximum(b_ml, b_mh)))  # NaN-ignoring
         b_byte = e8m0_from_amax(b_m, SCALE_MODE)
         o_l, m_l, _ = _out_cols(i_n, tl.arange(0, HB), 0, H, D, P, R, STYLE, PAIRED, SEG, NT_PASS, HB)
