@@ -132,9 +132,8 @@ def _cases(T: int):
         cfg = QProjConfig.make(K, H, P, R, output_format=output_format, columnwise_output=columnwise,
                                rope_style=style)
         w = qproj_gemm.prepare_fused_weight(e(N, K, dtype=bf), cfg)
-        knobs = qproj_gemm._pick_config(t, CUDA)
-        knobs["EMULATED"] = False
-        return lambda: qproj_gemm.qproj_gemm_fwd(x[:t], w, cos[:t], sin[:t], cfg, **knobs)
+        config = qproj_gemm.default_config(t, CUDA, cfg)
+        return lambda: qproj_gemm.qproj_gemm_fwd(x[:t], w, cos[:t], sin[:t], cfg, config=config)
 
     small = 1024  # below the RMSNorm + quantize split threshold: the one-kernel form
     yield f"rmsnorm_quant T={T} (split, train)", norm(True)

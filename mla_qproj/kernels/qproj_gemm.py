@@ -53,6 +53,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._config import QProjConfig, interpreter_enabled
+from . import _op
 from ._common import amax, cdiv, check_pair_tables, e8m0_from_amax, mx_quantize, quantize_e4m3, to_bf16, widen
 
 BLOCK_N = 256  # rows of W' per tile with the bf16 operands' half width HALF_N (W' tiles are 2·HB rows)
@@ -804,7 +805,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         OUT_FORMAT=cfg.output_format, COLWISE=cfg.columnwise_output, SCALE_MODE=cfg.scale_mode,
         NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=HB, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, GROUP_M=config.GROUP_M,
         NUM_SMS=config.NUM_SMS, OPERANDS=operands, ROPE_BCAST=config.ROPE_BCAST,
-        EMULATED=interp or dev.type != "cuda", DOT_F32=interp, FLATTEN=config.FLATTEN, SERIAL_LOOP=interp,
+        EMULATED=_op.emulated(dev), DOT_F32=interp, FLATTEN=config.FLATTEN, SERIAL_LOOP=interp,
         TMA_STORE=config.TMA_STORE,
         num_warps=config.num_warps, num_stages=config.num_stages,
         enable_fp_fusion=False,  # a·c - b·s rounded as the reference rounds it (no FMA contraction)
@@ -849,20 +850,6 @@ def _op_launch(a, w_prepared, cos_h, sin_h, geo: tuple, a_scale_inv=None, w_scal
 
 def _op_fake(a: torch.Tensor, geo: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _four_outputs(qproj_gemm_outputs(a.shape[0], _op_cfg(a.shape[1], *geo), a), a)
-
-
-def _eager_fast(op, eager):
-    """The registered op while torch.compile traces, `eager` (the launcher without argument re-checks, None for
-    absent outputs) otherwise: the custom-op dispatch costs tens of microseconds per call, which shows at small T.
-    `.op` is the registered op itself."""
-
-    def call(*args):
-        if torch.compiler.is_compiling():
-            return op(*args)
-        return eager(*args)
-
-    call.op = op
-    return call
 
 
 @torch.library.custom_op("mla_qproj::qproj_gemm_fwd", mutates_args=())
@@ -915,5 +902,5 @@ def _qproj_gemm_fp8_fwd_eager(a, a_scale_inv, w_prepared, w_scale_inv, cos_h, si
 
 # the layer's entry points: call(*args) runs the launcher directly in eager mode and the registered op under
 # torch.compile; call.op is the registered op
-qproj_gemm_fwd_op = _eager_fast(_qproj_gemm_fwd_def, _qproj_gemm_fwd_eager)
-qproj_gemm_fp8_fwd_op = _eager_fast(_qproj_gemm_fp8_fwd_def, _qproj_gemm_fp8_fwd_eager)
+qproj_gemm_fwd_op = _op.eager_fast(_qproj_gemm_fwd_def, _qproj_gemm_fwd_eager)
+qproj_gemm_fp8_fwd_op = _op.eager_fast(_qproj_gemm_fp8_fwd_def, _qproj_gemm_fp8_fwd_eager)
