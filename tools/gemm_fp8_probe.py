@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/sass_stats.py
 
 from mla_qproj._config import QProjConfig  # noqa: E402
 from mla_qproj.kernels import qproj_gemm as qg  # noqa: E402

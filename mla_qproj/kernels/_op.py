@@ -37,7 +37,7 @@ def define_op(name: str, impl: Callable, fake: Callable, *, eager: Callable | No
 def emulated(device: torch.device) -> bool:
     """The kernels' EMULATED constexpr (SPEC §2): explicit rounding under the interpreter or for tensors off the GPU,
     hardware conversions on the GPU. Looked up through this module by the launchers, so that the offline compile
-    (scripts/compile_sm90.py) can compile the GPU form from CPU tensors."""
+    (tools/compile_sm90.py) can compile the GPU form from CPU tensors."""
     return interpreter_enabled() or device.type != "cuda"
 
 

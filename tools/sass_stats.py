@@ -2,7 +2,7 @@
 SASS instruction histogram (Triton's bundled ptxas / cuobjdump). Saves device time: spills, scalar gathers
 (LDG counts), barriers and instruction counts per element are visible before a kernel is ever run.
 
-    python scripts/sass_stats.py            # the project's memory-bound kernels at the DeepSeek-V3 shape
+    python tools/sass_stats.py            # the project's memory-bound kernels at the DeepSeek-V3 shape
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Host (Python) time of the layer's no-grad forward on a machine without a GPU: the Triton kernels are replaced by
 no-op launches, so what remains is the module's, the autograd-free path's and the launchers' own Python (argument
 checks, allocations, tensor descriptors, the query object). Triton's launch itself is not included; on the GPU
-`scripts/host_profile.py` and `scripts/store_probe.py` measure the whole thing.
+`tools/profile_layer.py` measures the whole thing (host time per call included).
 
-    python scripts/host_cpu_profile.py [--profile]
+    python tools/host_cpu_profile.py [--profile]
 """
 from __future__ import annotations
 

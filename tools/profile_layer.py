@@ -1,6 +1,6 @@
 """Where the time goes: torch.profiler kernel table for ours fwd+bwd (T=16384) and host time per call (T=1024).
 
-    python scripts/profile_layer.py
+    python tools/profile_layer.py
 """
 from __future__ import annotations
 

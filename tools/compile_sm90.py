@@ -2,8 +2,8 @@
 per kernel: compiled or the error, registers, spill stack, shared memory, and the wgmma (HGMMA) / TMA (UTMALDG,
 UTMASTG) instruction counts of its SASS. Run it under each Triton the project supports to compare versions:
 
-    python scripts/compile_sm90.py                 # DeepSeek-V3 shape, the launchers' GPU defaults
-    python scripts/compile_sm90.py --sass DIR      # also write each kernel's SASS / PTX to DIR (for diffs)
+    python tools/compile_sm90.py                 # DeepSeek-V3 shape, the launchers' GPU defaults
+    python tools/compile_sm90.py --sass DIR      # also write each kernel's SASS / PTX to DIR (for diffs)
 
 How: a stand-in Triton driver reports an sm_90 target with no device behind it, and every launch made while it is
 active compiles (`warmup`) instead of running. The launchers run on CPU tensors (never read: outputs are allocated
