@@ -90,6 +90,17 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
     rs = torch.rand(T, device=dev) + 0.5
     out.append(("RMSNorm backward", T * K * (4 + 2 + 2) + 4 * T,
                 lambda: rmsnorm_bwd(dxn, x, rs, g, False)))
+    # block-scaled FP8 (SPEC §5): codes 1 byte, one fp32 scale per 128 elements
+    from .kernels.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd
+    from .kernels.rope_fp8_block import rope_fp8_block_bwd
+
+    kw8 = {k: v for k, v in kw.items() if k not in ("inverse", "scale_mode")}
+    out.append(("fp8_block: inverse RoPE + dy quant (1x128, 128x1)",
+                T * N * (2 + 1 + 1) + 2 * T * N / 32 + 2 * T * R * 2, lambda: rope_fp8_block_bwd(dq, c, s, **kw8)))
+    out.append(("fp8_block: RMSNorm + xn quant (fwd, training)", T * K * (2 + 1 + 1) + 2 * T * K / 32 + 4 * T,
+                lambda: rmsnorm_fp8_block_fwd(x, g, 1e-6, False, "pow2", True)))
+    out.append(("fp8_block: RMSNorm + xn quant (inference)", T * K * (2 + 1) + T * K / 32 + 4 * T,
+                lambda: rmsnorm_fp8_block_fwd(x, g, 1e-6, False, "pow2", False)))
     return [(name, nbytes, _bench(fn), graph_ms(fn)) for name, nbytes, fn in out]
 
 
@@ -102,13 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         print("mla_qproj.bench_kernels: no CUDA GPU found; this benchmark needs one.", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'T':>6}  {'kernel':<42}{'eager ms':>9}{'of copy':>9}{'graph ms':>9}{'GB/s':>9}{'of copy':>9}")
+    print(f"{'T':>6}  {'kernel':<52}{'eager ms':>9}{'of copy':>9}{'graph ms':>9}{'GB/s':>9}{'of copy':>9}")
     for T in (int(t) for t in args.tokens.split(",")):
         res = rows(T)
         ceil_e, ceil_g = (res[0][1] / res[0][i] / 1e6 for i in (2, 3))
         for name, nbytes, ms_e, ms_g in res:
             gbs_e, gbs_g = nbytes / ms_e / 1e6, nbytes / ms_g / 1e6
-            print(f"{T:>6}  {name:<42}{ms_e:>9.3f}{gbs_e / ceil_e:>9.2f}{ms_g:>9.3f}{gbs_g:>9.0f}"
+            print(f"{T:>6}  {name:<52}{ms_e:>9.3f}{gbs_e / ceil_e:>9.2f}{ms_g:>9.3f}{gbs_g:>9.0f}"
                   f"{gbs_g / ceil_g:>9.2f}")
     return 0
 
