@@ -263,6 +263,29 @@ def test_rmsnorm_fp8_block_layouts_and_options():
     assert [tuple(o.shape) for o in outs] == [(0,), (0, K), (K // B, 0), (K, 0), (0, K)]
 
 
+@pytest.mark.parametrize("block_k,num_warps", [(128, 4), (128, 8), (128, 16), (256, 8)])
+def test_rmsnorm_fp8_block_packed(block_k, num_warps):
+    """The word-packed kernel with 16, 8 and 4 tokens per thread: T = 1 / 17 / 130 (a token word of 4 codes that is
+    partly padding, a second 128x1 block), special values, both dtypes of note, with and without the columnwise
+    pair; the same bytes as the byte-transposing kernel."""
+    K = 256
+    g = torch.Generator().manual_seed(block_k + num_warps)
+    w = torch.randn(K, generator=g)
+    w[5], w[9] = INF, NAN  # padding rows times an inf / NaN weight: NaN xn, still zero codes in the padding
+    cfg = RMSNormFp8BlockConfig(block_k=block_k, num_warps=num_warps, rs_rows=64, packed=True)
+    for T, dtype in ((1, torch.bfloat16), (17, torch.float32), (130, torch.bfloat16)):
+        x = special_matrix(T, K, dtype, T).to(DEVICE)
+        for zc, bs in ((False, "pow2"), (True, "fp32")):
+            rsigma, outs = check_rmsnorm(x, w.to(DEVICE), zc, bs, config=cfg)
+            ref = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, zc, bs, config=RMSNormFp8BlockConfig(rs_rows=64))
+            for a, b in zip(outs, ref[1:], strict=True):
+                assert_bytes_equal(a, b, f"packed vs bytes T={T} {block_k}/{num_warps}")
+        full = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, False, "pow2", config=cfg)
+        inference = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, False, "pow2", columnwise=False, config=cfg)
+        for i in range(3):  # rsigma, row codes, row scale_inv
+            assert_bytes_equal(inference[i], full[i], f"packed T={T}: output {i} without the columnwise pair")
+
+
 def test_rmsnorm_fp8_block_errors():
     x, w = torch.randn(4, 256), torch.randn(256)
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -282,6 +305,10 @@ def test_rmsnorm_fp8_block_errors():
     for bad in (192, 384, 512):  # not 128 * 2^k, or not dividing K = 256
         with pytest.raises(ValueError, match="block_k"):
             rmsnorm_fp8_block_fwd(x, w, 1e-6, False, config=RMSNormFp8BlockConfig(block_k=bad))
+    for bk, nw in ((128, 2), (256, 4), (128, 32)):  # 32, 32, 2 tokens per thread
+        with pytest.raises(ValueError, match="tokens per thread"):
+            rmsnorm_fp8_block_fwd(x, w, 1e-6, False, config=RMSNormFp8BlockConfig(block_k=bk, num_warps=nw,
+                                                                                     packed=True))
 
 
 def test_rmsnorm_op_registration():
@@ -299,6 +326,11 @@ def test_rmsnorm_fp8_block_gpu(T, block_scale):
     x[5], x[6, 3] = NAN, -NAN
     w = torch.randn(K, device="cuda")
     rsigma, _ = check_rmsnorm(x, w, False, block_scale)
+    # compiled: the packed kernel's E4M3 conversion is inline PTX (not run by the interpreter lane); the
+    # byte-transposing kernel as well
+    for cfg in (RMSNormFp8BlockConfig(num_warps=8, packed=True), RMSNormFp8BlockConfig(block_k=256, packed=True),
+                RMSNormFp8BlockConfig(num_warps=4), RMSNormFp8BlockConfig()):
+        check_rmsnorm(x, w, True, block_scale, config=cfg)
     # T >= 2048: the MXFP8 path's RMSNorm runs the same rsigma kernel with the same launch
     assert_bytes_equal(rsigma, rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil")[0], "rsigma vs mxfp8 path")
 

@@ -17,7 +17,7 @@ from ..reference.fp8_block import BLOCK_SCALES, FLT_MAX, check_block_scale
 from ._common import amax_nan_ignoring, round_to_e4m3_grid
 
 __all__ = ["fp8_block_scale", "quantize_with_scale", "nan_sign", "widen_to_fp32", "nan_max", "block_amax",
-           "pack_e4m3_words", "check_float_tensor", "round_up", "BLOCK_SCALES", "check_block_scale", "T_PAD",
+           "pack_e4m3_words", "widen_to_fp32_lean", "check_float_tensor", "round_up", "BLOCK_SCALES", "check_block_scale", "T_PAD",
            "FLOAT_DTYPES"]
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
@@ -104,6 +104,18 @@ def quantize_with_scale(x, scale, sign, EMULATED: tl.constexpr, NAN_SIGN: tl.con
         if NAN_SIGN:
             code = tl.where(x == x, code, 0x7F | sign).to(tl.uint8)
     return code
+
+
+@triton.jit
+def widen_to_fp32_lean(x, EMULATED: tl.constexpr):
+    """`widen_to_fp32` with bf16 on the GPU as one shift / one mask per element of a bf16 pair held in one 32-bit
+    register (the default lowering spends three instructions per pair more); the same bits."""
+    if EMULATED or x.dtype != tl.bfloat16:
+        y = widen_to_fp32(x, EMULATED)
+    else:
+        y = tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
+                                      dtype=tl.float32, is_pure=True, pack=2)
+    return y
 
 
 @triton.jit

@@ -39,6 +39,7 @@ from ._fp8_block import (
     quantize_with_scale,
     round_up,
     widen_to_fp32,
+    widen_to_fp32_lean,
 )
 
 
@@ -221,10 +222,10 @@ def _packed_run(p_row, m, cos_ptr, sin_ptr, o_cs, n, POS: tl.constexpr, NOPE: tl
             PAIR0: tl.constexpr = P0 - HALF if P0 >= HALF else P0
             PARTNER: tl.constexpr = P0 - HALF if P0 >= HALF else P0 + HALF
             o_w = _cols(0, W, C)[None, None, :]
-            b_x1 = widen_to_fp32(tl.load(p_head + P0 + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
-            b_x2 = widen_to_fp32(tl.load(p_head + PARTNER + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
-            b_c = widen_to_fp32(tl.load(cos_ptr + o_cs + PAIR0 + o_w, mask=m, other=1.0), EMULATED)  # [TR, TJ, W]
-            b_s = widen_to_fp32(tl.load(sin_ptr + o_cs + PAIR0 + o_w, mask=m, other=0.0), EMULATED)
+            b_x1 = widen_to_fp32_lean(tl.load(p_head + P0 + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
+            b_x2 = widen_to_fp32_lean(tl.load(p_head + PARTNER + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
+            b_c = widen_to_fp32_lean(tl.load(cos_ptr + o_cs + PAIR0 + o_w, mask=m, other=1.0), EMULATED)  # [TR, TJ, W]
+            b_s = widen_to_fp32_lean(tl.load(sin_ptr + o_cs + PAIR0 + o_w, mask=m, other=0.0), EMULATED)
             if P0 >= HALF:  # b c - a s; (-1.0 * a): Triton's unary minus is 0 - a, which loses the sign of zero
                 b_g = b_x1 * b_c + (-1.0 * b_x2) * b_s
             else:  # a c + b s
@@ -233,19 +234,19 @@ def _packed_run(p_row, m, cos_ptr, sin_ptr, o_cs, n, POS: tl.constexpr, NOPE: tl
             I0: tl.constexpr = P0 // 2  # the run's first pair
             o_h = _cols(0, W // 2, C // 2)[None, None, :]
             if STYLE == "deepseek":
-                b_x1 = widen_to_fp32(tl.load(p_head + I0 + o_h, mask=m, other=0.0), EMULATED)  # [TR, TJ, W/2]
-                b_x2 = widen_to_fp32(tl.load(p_head + HALF + I0 + o_h, mask=m, other=0.0), EMULATED)
+                b_x1 = widen_to_fp32_lean(tl.load(p_head + I0 + o_h, mask=m, other=0.0), EMULATED)  # [TR, TJ, W/2]
+                b_x2 = widen_to_fp32_lean(tl.load(p_head + HALF + I0 + o_h, mask=m, other=0.0), EMULATED)
             else:
                 tl.static_assert(STYLE == "gptj")
-                b_x = widen_to_fp32(tl.load(p_head + P0 + _cols(0, W, C)[None, None, :], mask=m, other=0.0),
+                b_x = widen_to_fp32_lean(tl.load(p_head + P0 + _cols(0, W, C)[None, None, :], mask=m, other=0.0),
                                     EMULATED)  # [TR, TJ, W]
                 b_x1, b_x2 = tl.split(tl.reshape(b_x, [b_x.shape[0], b_x.shape[1], W // 2, 2]))
-            b_c = widen_to_fp32(tl.load(cos_ptr + o_cs + I0 + o_h, mask=m, other=1.0), EMULATED)  # [TR, TJ, W/2]
-            b_s = widen_to_fp32(tl.load(sin_ptr + o_cs + I0 + o_h, mask=m, other=0.0), EMULATED)
+            b_c = widen_to_fp32_lean(tl.load(cos_ptr + o_cs + I0 + o_h, mask=m, other=1.0), EMULATED)  # [TR, TJ, W/2]
+            b_s = widen_to_fp32_lean(tl.load(sin_ptr + o_cs + I0 + o_h, mask=m, other=0.0), EMULATED)
             b_g = tl.reshape(tl.join(b_x1 * b_c + b_x2 * b_s, b_x2 * b_c - b_x1 * b_s),
                              [b_x1.shape[0], b_x1.shape[1], W])
     else:
-        b_g = widen_to_fp32(tl.load(p_row + n + _cols(0, W, C)[None, None, :], mask=m, other=0.0), EMULATED)
+        b_g = widen_to_fp32_lean(tl.load(p_row + n + _cols(0, W, C)[None, None, :], mask=m, other=0.0), EMULATED)
     return b_g
 
 
