@@ -17,8 +17,8 @@ from ..reference.fp8_block import BLOCK_SCALES, FLT_MAX, check_block_scale
 from ._common import amax_nan_ignoring, round_to_e4m3_grid
 
 __all__ = ["fp8_block_scale", "quantize_with_scale", "nan_sign", "widen_to_fp32", "nan_max", "block_amax",
-           "pack_e4m3_words", "widen_to_fp32_lean", "check_float_tensor", "round_up", "BLOCK_SCALES", "check_block_scale", "T_PAD",
-           "FLOAT_DTYPES"]
+           "pack_e4m3_words", "widen_to_fp32_lean", "check_float_tensor", "round_up", "BLOCK_SCALES",
+           "check_block_scale", "T_PAD", "FLOAT_DTYPES"]
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
 # fp32(448 / amax) is inf exactly when amax <= 448 * 2^-128 = 7 * 2^-122: there the real quotient is >= 2^128, and

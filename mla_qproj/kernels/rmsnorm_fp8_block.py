@@ -11,6 +11,7 @@ the bits of the MXFP8 path's RMSNorm; xn's op order is that of `reference.qproj.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -147,15 +148,17 @@ def packed_tokens(block_k: int, num_warps: int) -> int:
     return 128 * min(32, block_k // 8) // (32 * num_warps)
 
 
-def default_config(T: int, K: int, device: torch.device) -> RMSNormFp8BlockConfig:
-    """The packed kernel on [128 tokens, 128 columns] tiles with 4 warps (sm_90 offline, K = 1536 with the
-    columnwise form: 0.49 warp-instructions per element, 211 registers, no spills, against 0.66-0.76 for the
-    byte-transposing kernel with 4 / 8 warps: scripts/fp8_block_probe.py --sass). Under the interpreter the rsigma
-    kernel takes 64 tokens per program: fewer (slow) program launches, and the interpreter sums each row alike
+def default_config(T: int, K: int, device: torch.device, columnwise: bool = True) -> RMSNormFp8BlockConfig:
+    """[128 tokens, 128 columns] tiles with 4 warps; with the columnwise form the packed kernel (sm_90 offline,
+    K = 1536: 0.49 warp-instructions per element, 211 registers, no spills, against 0.66 / 0.76 for the
+    byte-transposing kernel with 4 / 8 warps), without it the byte-transposing kernel, which then transposes nothing
+    (0.29 against 0.32 packed, 0.31 with 8 warps); scripts/fp8_block_probe.py --sass. Under the interpreter the
+    rsigma kernel takes 64 tokens per program: fewer (slow) program launches, and the interpreter sums each row alike
     whatever the rows per program (tests/test_fp8_block_kernels.py compares the bits with rmsnorm_quant's)."""
+    cfg = RMSNormFp8BlockConfig(num_warps=4, packed=bool(columnwise))
     if interpreter_enabled() or device.type != "cuda":
-        return RMSNormFp8BlockConfig(num_warps=4, rs_rows=64, packed=True)
-    return RMSNormFp8BlockConfig(num_warps=4, packed=True)
+        cfg = dataclasses.replace(cfg, rs_rows=64)
+    return cfg
 
 
 def rmsnorm_fp8_block_outputs(x2d: torch.Tensor, columnwise: bool) -> tuple[torch.Tensor, ...]:
@@ -200,7 +203,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     T, K = x2d.shape
     if T == 0:
         return outs
-    cfg = config or default_config(T, K, x2d.device)
+    cfg = config or default_config(T, K, x2d.device, columnwise)
     nb = cfg.block_k // FP8_BLOCK
     if cfg.block_k % FP8_BLOCK or nb & (nb - 1) or K % cfg.block_k:
         raise ValueError(f"config.block_k ({cfg.block_k}) must be {FP8_BLOCK} times a power of two and divide K ({K})")
