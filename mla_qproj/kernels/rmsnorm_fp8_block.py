@@ -204,6 +204,10 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     if T == 0:
         return outs
     cfg = config or default_config(T, K, x2d.device, columnwise)
+    if config is None and cfg.packed and x2d.stride(0) % 16:
+        # a row stride Triton cannot prove 16-aligned: per-element loads, which spill in the packed kernel's
+        # registers (sm_90 offline); the byte-transposing kernel instead
+        cfg = dataclasses.replace(cfg, packed=False)
     nb = cfg.block_k // FP8_BLOCK
     if cfg.block_k % FP8_BLOCK or nb & (nb - 1) or K % cfg.block_k:
         raise ValueError(f"config.block_k ({cfg.block_k}) must be {FP8_BLOCK} times a power of two and divide K ({K})")

@@ -429,6 +429,10 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
     if T == 0:
         return outs
     cfg = config or default_config(qk_head_dim, rope_dim, head_dim, rope_style, dq2d.device)
+    if config is None and cfg.packed and (dq2d.stride(0) % 16 or cos_h.stride(0) % 16):
+        # row strides Triton cannot prove 16-aligned: per-element loads, which spill in the packed kernel's
+        # registers (sm_90 offline: ~2 KB per thread); the byte-transposing kernel's smaller tiles instead
+        cfg = RopeFp8BlockConfig(unit=cfg.unit, gather=False)
     if cfg.unit not in (64, 32) or not (cfg.gather or unit_fits(cfg.unit, qk_head_dim, rope_dim, head_dim,
                                                                   rope_style)):
         raise ValueError(f"config {cfg} does not fit the geometry (qk_head_dim {qk_head_dim}, rope_dim {rope_dim}, "
