@@ -7,7 +7,9 @@ rsigma kernel. Per tile of 128 tokens x BLOCK_K columns, xn = x * rsigma * g in 
     [ceil(T/128), K].
 rsigma is `_rsigma_kernel`'s (kernels/rmsnorm_quant.py) with the same launch as rmsnorm_quant's split form, so it has
 the bits of the MXFP8 path's RMSNorm; xn's op order is that of `reference.qproj.rmsnorm_fwd`. Bytes equal
-`reference.fp8_block.quantize_blocks(canonical_nan(xn), ...)` for the kernel's rsigma."""
+`reference.fp8_block.quantize_blocks(canonical_nan(xn), ...)` for the kernel's rsigma. Two quantize kernels give
+those bytes: `_rmsnorm_fp8_block_kernel` (byte-wise transposition) and `_rmsnorm_fp8_block_packed_kernel` (codes as
+32-bit words; the default with the columnwise form)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ Each program owns a [128 tokens, 128 columns] tile, built as 128 / W runs of W c
   with its pairs split / joined in registers (no gathers);
 - gather runs (any geometry): every rope column loads its two sources through `rope_sources`, which never leaves
   [qk_head_dim, qk_head_dim + R) of its own head.
-Both give the same bytes.
+The word-packed kernel (`_rope_fp8_block_packed_kernel`, the default where it fits) reads the same contiguous runs
+with per-program periods of lcm(D, 128) columns and stores both code layouts as 32-bit words. All give the same
+bytes.
 """
 
 from __future__ import annotations
