@@ -266,6 +266,29 @@ def test_rmsnorm_fp8_block_layouts_and_options():
     assert [tuple(o.shape) for o in outs] == [(0,), (0, K), (K // B, 0), (K, 0), (0, K)]
 
 
+@pytest.mark.parametrize("block_k,num_warps", [(128, 4), (128, 8), (128, 16), (256, 8)])
+def test_rmsnorm_fp8_block_packed(block_k, num_warps):
+    """The word-packed kernel with 16, 8 and 4 tokens per thread: T = 1 / 17 / 130 (a token word of 4 codes that is
+    partly padding, a second 128x1 block), special values, both dtypes of note, with and without the columnwise
+    pair; the same bytes as the byte-transposing kernel."""
+    K = 256
+    g = torch.Generator().manual_seed(block_k + num_warps)
+    w = torch.randn(K, generator=g)
+    w[5], w[9] = INF, NAN  # padding rows times an inf / NaN weight: NaN xn, still zero codes in the padding
+    cfg = RMSNormFp8BlockConfig(block_k=block_k, num_warps=num_warps, rs_rows=64, packed=True)
+    for T, dtype in ((1, torch.bfloat16), (17, torch.float32), (130, torch.bfloat16)):
+        x = special_matrix(T, K, dtype, T).to(DEVICE)
+        for zc, bs in ((False, "pow2"), (True, "fp32")):
+            rsigma, outs = check_rmsnorm(x, w.to(DEVICE), zc, bs, config=cfg)
+            ref = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, zc, bs, config=RMSNormFp8BlockConfig(rs_rows=64))
+            for a, b in zip(outs, ref[1:], strict=True):
+                assert_bytes_equal(a, b, f"packed vs bytes T={T} {block_k}/{num_warps}")
+        full = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, False, "pow2", config=cfg)
+        inference = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, False, "pow2", columnwise=False, config=cfg)
+        for i in range(3):  # rsigma, row codes, row scale_inv
+            assert_bytes_equal(inference[i], full[i], f"packed T={T}: output {i} without the columnwise pair")
+
+
 def test_rmsnorm_fp8_block_errors():
     x, w = torch.randn(4, 256), torch.randn(256)
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -285,6 +308,10 @@ def test_rmsnorm_fp8_block_errors():
     for bad in (192, 384, 512):  # not 128 * 2^k, or not dividing K = 256
         with pytest.raises(ValueError, match="block_k"):
             rmsnorm_fp8_block_fwd(x, w, 1e-6, False, config=RMSNormFp8BlockConfig(block_k=bad))
+    for bk, nw in ((128, 2), (256, 4), (128, 32)):  # 32, 32, 2 tokens per thread
+        with pytest.raises(ValueError, match="tokens per thread"):
+            rmsnorm_fp8_block_fwd(x, w, 1e-6, False, config=RMSNormFp8BlockConfig(block_k=bk, num_warps=nw,
+                                                                                     packed=True))
 
 
 def test_rmsnorm_op_registration():
@@ -302,6 +329,11 @@ def test_rmsnorm_fp8_block_gpu(T, block_scale):
     x[5], x[6, 3] = NAN, -NAN
     w = torch.randn(K, device="cuda")
     rsigma, _ = check_rmsnorm(x, w, False, block_scale)
+    # compiled: the packed kernel's E4M3 conversion is inline PTX (not run by the interpreter lane); the
+    # byte-transposing kernel as well
+    for cfg in (RMSNormFp8BlockConfig(num_warps=8, packed=True), RMSNormFp8BlockConfig(block_k=256, packed=True),
+                RMSNormFp8BlockConfig(num_warps=4), RMSNormFp8BlockConfig()):
+        check_rmsnorm(x, w, True, block_scale, config=cfg)
     # T >= 2048: the MXFP8 path's RMSNorm runs the same rsigma kernel with the same launch
     assert_bytes_equal(rsigma, rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil")[0], "rsigma vs mxfp8 path")
 
@@ -361,18 +393,37 @@ def test_rope_fp8_block(geom, style):
     dq, c, s = rope_inputs(100, H, D, R, torch.bfloat16, 7)
     block_scale = F.BLOCK_SCALES[STYLES.index(style) % 2]
     configs = {default_rope_config(nope, R, D, style, DEVICE), RopeFp8BlockConfig(32, True, 16)}
+    if fast_unit(nope, R, D, style):  # both contiguous-run kernels: byte-transposing and word-packed
+        configs |= {RopeFp8BlockConfig(fast_unit(nope, R, D, style), False, 8, packed) for packed in (False, True)}
     for cfg in configs:
         check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style, block_scale, cfg)
-    if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style
+    if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style, the packed kernel by default
         assert fast_unit(nope, R, D, style) == (32 if style == "neox" else 64)
+        assert default_rope_config(nope, R, D, style, DEVICE).packed
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_rope_fp8_block_packed_partial_period(style):
+    """The packed kernel's programs cover lcm(D, 128) columns: with 3 heads of 192 the second period stops at N
+    (inside a 1x128 block); both warp counts (4 and 8 tokens per thread), fp32 and fp16 dq with a row stride, bf16
+    pair tables; T crosses a 128x1 block and T_pad."""
+    H, nope, R, D = 3, 128, 64, 192
+    w = fast_unit(nope, R, D, style)
+    for nw, dtype, T in ((4, torch.float32, 131), (8, torch.float16, 37)):
+        dq, c, s = rope_inputs(T, H, D, R, dtype, 5, -12, 12)
+        buf = torch.zeros(T, H * D + 24, dtype=dtype)
+        buf[:, 8:8 + H * D] = dq
+        c, s = c.to(torch.bfloat16), s.to(torch.bfloat16)
+        check_rope(buf[:, 8:8 + H * D].to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style,
+                   F.BLOCK_SCALES[nw // 8], RopeFp8BlockConfig(w, False, nw, True))
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(T=st.sampled_from([1, 17, 129, 200]), geom=st.sampled_from(GEOMS), style=st.sampled_from(STYLES),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), block_scale=st.sampled_from(F.BLOCK_SCALES),
        row_pad=st.sampled_from([0, 40]), tables=st.sampled_from(["fp32", "bf16", "broadcast", "wide"]),
-       gather=st.booleans(), seed=st.integers(0, 1000))
-def test_rope_fp8_block_property(T, geom, style, dtype, block_scale, row_pad, tables, gather, seed):
+       kernel=st.sampled_from(["default", "bytes", "gather"]), seed=st.integers(0, 1000))
+def test_rope_fp8_block_property(T, geom, style, dtype, block_scale, row_pad, tables, kernel, seed):
     H, nope, R, D = geom
     dq, c, s = rope_inputs(T, H, D, R, dtype, seed, -100, 100)
     if row_pad:  # any row stride: dq is a column slice of a wider buffer
@@ -385,7 +436,10 @@ def test_rope_fp8_block_property(T, geom, style, dtype, block_scale, row_pad, ta
         c, s = c[:1].expand(T, -1), s[:1].expand(T, -1)
     elif tables == "wide":  # the half of a full-width HF table: row stride R
         c, s = torch.cat([c, c], -1)[:, : R // 2], torch.cat([s, s], -1)[:, : R // 2]
-    cfg = RopeFp8BlockConfig(32, True, 16) if gather or not fast_unit(nope, R, D, style) else None
+    w = fast_unit(nope, R, D, style)
+    cfg = {"default": None, "bytes": RopeFp8BlockConfig(w, False, 8)}.get(kernel) if w else None
+    if kernel == "gather" or not w:
+        cfg = RopeFp8BlockConfig(32, True, 16)
     check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style, block_scale, cfg)
 
 
@@ -423,6 +477,16 @@ def test_rope_fp8_block_errors():
     for bad in (RopeFp8BlockConfig(32, False), RopeFp8BlockConfig(16, True)):  # 32 does not divide 16 / 48
         with pytest.raises(ValueError, match="config"):
             rope_fp8_block_bwd(dq, c, s, config=bad, **kw)
+    # the packed kernel: contiguous runs, 4 or 8 warps, at most 4 blocks per period lcm(D, 128)
+    dq, c, s = rope_inputs(3, 2, 192, 64, torch.bfloat16, 1)
+    kw = dict(num_heads=2, head_dim=192, qk_head_dim=128, rope_dim=64, rope_style="deepseek")
+    for bad in (RopeFp8BlockConfig(64, True, 8, True), RopeFp8BlockConfig(64, False, 16, True)):
+        with pytest.raises(ValueError, match="packed"):
+            rope_fp8_block_bwd(dq, c, s, config=bad, **kw)
+    dq, c, s = rope_inputs(3, 1, 160, 32, torch.bfloat16, 1)  # lcm(160, 128) = 640: 5 blocks per period
+    with pytest.raises(ValueError, match="packed"):
+        rope_fp8_block_bwd(dq, c, s, num_heads=1, head_dim=160, qk_head_dim=128, rope_dim=32, rope_style="gptj",
+                           config=RopeFp8BlockConfig(32, False, 4, True))
 
 
 def test_rope_op_registration():
@@ -437,8 +501,14 @@ def test_rope_op_registration():
 def test_rope_fp8_block_gpu_v3(style, block_scale):
     H, nope, R, D = 128, 128, 64, 192
     dq, c, s = rope_inputs(4096 + 5, H, D, R, torch.bfloat16, 11)
-    for cfg in (None, RopeFp8BlockConfig(32, True, 16)):
+    w = fast_unit(nope, R, D, style)
+    # compiled: the packed kernel's E4M3 conversion is inline PTX (not run by the interpreter lane)
+    for cfg in (None, RopeFp8BlockConfig(32, True, 16), RopeFp8BlockConfig(w, False, 8),
+                RopeFp8BlockConfig(w, False, 4, True), RopeFp8BlockConfig(w, False, 8, True)):
         check_rope(dq.cuda(), c.cuda(), s.cuda(), H, nope, R, D, style, block_scale, cfg)
+    # a partial last period (H = 127) and fp32 dq
+    dq, c, s = rope_inputs(300, 127, D, R, torch.float32, 12)
+    check_rope(dq.cuda(), c.cuda(), s.cuda(), 127, nope, R, D, style, block_scale)
 
 
 # ------------------------------------------------------------------------------------------------ the scale rule

@@ -7,10 +7,13 @@ rsigma kernel. Per tile of 128 tokens x BLOCK_K columns, xn = x * rsigma * g in 
     [ceil(T/128), K].
 rsigma is `_rsigma_kernel`'s (kernels/rmsnorm_quant.py) with the same launch as rmsnorm_quant's split form, so it has
 the bits of the MXFP8 path's RMSNorm; xn's op order is that of `reference.qproj.rmsnorm_fwd`. Bytes equal
-`reference.fp8_block.quantize_blocks(canonical_nan(xn), ...)` for the kernel's rsigma."""
+`reference.fp8_block.quantize_blocks(canonical_nan(xn), ...)` for the kernel's rsigma. Two quantize kernels give
+those bytes: `_rmsnorm_fp8_block_kernel` (byte-wise transposition) and `_rmsnorm_fp8_block_packed_kernel` (codes as
+32-bit words; the default with the columnwise form)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +28,14 @@ from ._fp8_block import (
     check_block_scale,
     check_float_tensor,
     fp8_block_scale,
+    pack_e4m3_words,
     quantize_with_scale,
     round_up,
     widen_to_fp32,
+    widen_to_fp32_lean,
 )
 from .rmsnorm_quant import _rsigma_kernel
+from .rope_fp8_block import _cols
 
 
 @triton.jit
@@ -74,25 +80,87 @@ def _rmsnorm_fp8_block_kernel(
         tl.store(col_sinv_ptr + i_t * K + o_k, b_csinv)
 
 
+@triton.jit
+def _rmsnorm_fp8_block_packed_kernel(
+    x_ptr, stride_x, w_ptr, rsigma_ptr, row_w_ptr, row_sinv_ptr, col_w_ptr, col_sinv_ptr,
+    T, T_pad,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, TJ: tl.constexpr, ZERO_CENTERED: tl.constexpr, POW2: tl.constexpr,
+    COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr,
+):
+    """`_rmsnorm_fp8_block_kernel`'s bytes from [TR, TJ, BLOCK_K] tiles (token = TR-index * TJ + TJ-index): every
+    thread holds TJ consecutive tokens of 8 consecutive columns, so the codes are packed into 32-bit words in
+    registers (4 columns of a row; 4 tokens of a column: a word of the transposed [K, T_pad] layout) and stored
+    as words (see kernels/rope_fp8_block.py, the packed kernel, for the layout argument)."""
+    TR: tl.constexpr = 128 // TJ
+    i_t = tl.program_id(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64)
+    i_k = tl.program_id(1 if TOKENS_ON_AXIS0 else 0).to(tl.int64)
+    o_r = tl.arange(0, TR)
+    o_t = i_t * 128 + o_r[:, None] * TJ + tl.arange(0, TJ)[None, :]  # [TR, TJ]
+    m_t = o_t < T
+    o_k = i_k * BLOCK_K + _cols(0, BLOCK_K, 8)  # K % BLOCK_K == 0: no column mask
+    b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=1.0)  # [TR, TJ]
+    # rows past T load as NaN: ignored by the 128x1 amax, never stored
+    b_x = widen_to_fp32_lean(tl.load(x_ptr + o_t[:, :, None] * stride_x + o_k[None, None, :], mask=m_t[:, :, None],
+                                other=float("nan")), EMULATED)  # [TR, TJ, BLOCK_K]
+    b_g = widen_to_fp32_lean(tl.load(w_ptr + o_k), EMULATED)  # [BLOCK_K]
+    if ZERO_CENTERED:
+        b_g = b_g + 1.0
+    b_xn = b_x * b_rs[:, :, None] * b_g[None, None, :]  # the reference's op order
+    # (a) 1x128 along K: NB blocks per row of the tile
+    NB: tl.constexpr = BLOCK_K // 128
+    b_x4 = tl.reshape(b_xn, (TR, TJ, NB, 128))
+    b_scale, b_sinv = fp8_block_scale(amax_nan_ignoring(b_x4, 3, EMULATED), POW2)  # [TR, TJ, NB]
+    b_rw = pack_e4m3_words(tl.reshape(b_x4 * b_scale[:, :, :, None], (TR, TJ, BLOCK_K)), EMULATED)  # [.., BK/4]
+    o_kw = i_k * (BLOCK_K // 4) + _cols(0, BLOCK_K // 4, 2)
+    tl.store(row_w_ptr + o_t[:, :, None] * (K // 4) + o_kw[None, None, :], b_rw, mask=m_t[:, :, None])
+    o_b = i_k * NB + tl.arange(0, NB)
+    tl.store(row_sinv_ptr + o_b[None, None, :] * T + o_t[:, :, None], b_sinv, mask=m_t[:, :, None])  # [K/128, T]
+    if COLUMNWISE:
+        # (b) 128x1 along T: the tile's 128 rows are one block per column
+        b_cscale, b_csinv = fp8_block_scale(amax_nan_ignoring(amax_nan_ignoring(b_xn, 1, EMULATED), 0, EMULATED),
+                                            POW2)  # [BLOCK_K]
+        b_cw = pack_e4m3_words(tl.permute(b_xn * b_cscale[None, None, :], (0, 2, 1)), EMULATED)  # [TR, BK, TJ/4]
+        o_tw = (i_t * 128 + o_r[:, None] * TJ) // 4 + tl.arange(0, TJ // 4)[None, :]  # [TR, TJ/4]: token words
+        # zero codes in the padding rows [T, T_pad): a byte mask per word (tokens 4w .. 4w + 3), 1 op per 4 codes
+        n_ok = tl.minimum(tl.maximum(T - o_tw * 4, 0), 4)
+        b_cw = b_cw & tl.where(n_ok == 4, -1, (1 << (8 * n_ok)) - 1)[:, None, :]
+        p_cw = col_w_ptr + o_k[None, :, None] * (T_pad // 4) + o_tw[:, None, :]
+        # a thread-row's TJ tokens (TJ | 16 | T_pad) are all in [0, T_pad) or all out
+        tl.store(p_cw, b_cw, mask=(i_t * 128 + o_r * TJ < T_pad)[:, None, None])  # transposed [K, T_pad] as words
+        tl.store(col_sinv_ptr + i_t * K + o_k, b_csinv)
+
+
 @dataclass(frozen=True)
 class RMSNormFp8BlockConfig:
-    """Launch parameters of the quantize kernel (block_k columns per program, num_warps) and of the rsigma kernel
-    (rs_rows tokens per program, rs_block_k, rs_warps: rmsnorm_quant's split-form values, which fix rsigma's bits)."""
+    """Launch parameters of the quantize kernel (block_k columns per program, num_warps, packed: the word-packed
+    kernel, which needs `packed_tokens` in (4, 8, 16)) and of the rsigma kernel (rs_rows tokens per program,
+    rs_block_k, rs_warps: rmsnorm_quant's split-form values, which fix rsigma's bits)."""
 
     block_k: int = 128
     num_warps: int = 8
     rs_rows: int = 4
     rs_block_k: int = 512
     rs_warps: int = 4
+    packed: bool = False
 
 
-def default_config(T: int, K: int, device: torch.device) -> RMSNormFp8BlockConfig:
-    """[128 tokens, 128 columns] tiles, 8 warps (64 fp32 values per thread). Under the interpreter the rsigma kernel
-    takes 64 tokens per program: fewer (slow) program launches, and the interpreter sums each row alike whatever the
-    rows per program (tests/test_fp8_block_kernels.py compares the bits with rmsnorm_quant's)."""
+def packed_tokens(block_k: int, num_warps: int) -> int:
+    """Consecutive tokens per thread (TJ) of the packed kernel: 8 columns per thread, min(32, block_k / 8) threads
+    of a warp along the columns, the warp's other threads and the warps along the tokens."""
+    return 128 * min(32, block_k // 8) // (32 * num_warps)
+
+
+def default_config(T: int, K: int, device: torch.device, columnwise: bool = True) -> RMSNormFp8BlockConfig:
+    """[128 tokens, 128 columns] tiles with 4 warps; with the columnwise form the packed kernel (sm_90 offline,
+    K = 1536: 0.49 warp-instructions per element, 211 registers, no spills, against 0.66 / 0.76 for the
+    byte-transposing kernel with 4 / 8 warps), without it the byte-transposing kernel, which then transposes nothing
+    (0.29 against 0.32 packed, 0.31 with 8 warps); scripts/fp8_block_probe.py --sass. Under the interpreter the
+    rsigma kernel takes 64 tokens per program: fewer (slow) program launches, and the interpreter sums each row alike
+    whatever the rows per program (tests/test_fp8_block_kernels.py compares the bits with rmsnorm_quant's)."""
+    cfg = RMSNormFp8BlockConfig(num_warps=4, packed=bool(columnwise))
     if interpreter_enabled() or device.type != "cuda":
-        return RMSNormFp8BlockConfig(rs_rows=64)
-    return RMSNormFp8BlockConfig()
+        cfg = dataclasses.replace(cfg, rs_rows=64)
+    return cfg
 
 
 def rmsnorm_fp8_block_outputs(x2d: torch.Tensor, columnwise: bool) -> tuple[torch.Tensor, ...]:
@@ -137,16 +205,37 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     T, K = x2d.shape
     if T == 0:
         return outs
-    cfg = config or default_config(T, K, x2d.device)
+    cfg = config or default_config(T, K, x2d.device, columnwise)
+    if config is None and cfg.packed and x2d.stride(0) % 16:
+        # a row stride Triton cannot prove 16-aligned: per-element loads, which spill in the packed kernel's
+        # registers (sm_90 offline); the byte-transposing kernel instead
+        cfg = dataclasses.replace(cfg, packed=False)
     nb = cfg.block_k // FP8_BLOCK
     if cfg.block_k % FP8_BLOCK or nb & (nb - 1) or K % cfg.block_k:
         raise ValueError(f"config.block_k ({cfg.block_k}) must be {FP8_BLOCK} times a power of two and divide K ({K})")
+    tj = packed_tokens(cfg.block_k, cfg.num_warps)
+    if cfg.packed and tj not in (4, 8, 16):
+        raise ValueError(f"config {cfg}: the packed kernel needs 4, 8 or 16 tokens per thread, "
+                         f"block_k {cfg.block_k} with {cfg.num_warps} warps gives {tj}")
     _rsigma_kernel[(cdiv(T, cfg.rs_rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
                                             ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k,
                                             EMULATED=interpreter_enabled() or x2d.device.type != "cuda",
                                             num_warps=cfg.rs_warps)
     n_t, n_k = cdiv(T, FP8_BLOCK), K // cfg.block_k
     tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
+    emulated = interpreter_enabled() or x2d.device.type != "cuda"
+    if cfg.packed:
+        # codes as int32 words: K % 128 == 0 and T_pad % 16 == 0
+        _rmsnorm_fp8_block_packed_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
+            x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma,
+            row_w_ptr=rd.view(torch.int32), row_sinv_ptr=rs,
+            # without the columnwise pair its stores are compiled out: the row outputs stand in as pointers
+            col_w_ptr=(cd if columnwise else rd).view(torch.int32), col_sinv_ptr=cs if columnwise else rs,
+            T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, TJ=tj, ZERO_CENTERED=bool(zero_centered_gamma),
+            POW2=block_scale == "pow2", COLUMNWISE=bool(columnwise), TOKENS_ON_AXIS0=tokens_on_axis0,
+            EMULATED=emulated, num_warps=cfg.num_warps,
+        )
+        return outs
     _rmsnorm_fp8_block_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
         x_ptr=x2d, stride_x=x2d.stride(0), w_ptr=norm_weight, rsigma_ptr=rsigma,
         row_data_ptr=rd.view(torch.uint8), row_sinv_ptr=rs,
