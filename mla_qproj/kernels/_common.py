@@ -291,4 +291,3 @@ def next_power_of_2(n: int) -> int:
 
 # the switched amax's earlier name, still imported by kernels/qproj_gemm.py, _fp8_block.py, rmsnorm_fp8_block.py and
 # rope_fp8_block.py (edited on other branches now): to go once those import `amax`
-amax_nan_ignoring = amax

@@ -14,10 +14,10 @@ import triton
 import triton.language as tl
 
 from ..reference.fp8_block import BLOCK_SCALES, FLT_MAX, check_block_scale
-from ._common import amax_nan_ignoring, round_to_e4m3_grid
+from ._common import amax, round_to_e4m3_grid, widen
 
-__all__ = ["fp8_block_scale", "quantize_with_scale", "nan_sign", "widen_to_fp32", "nan_max", "block_amax",
-           "pack_e4m3_words", "widen_to_fp32_lean", "check_float_tensor", "round_up", "BLOCK_SCALES",
+__all__ = ["fp8_block_scale", "quantize_with_scale", "nan_sign", "nan_max", "block_amax",
+           "pack_e4m3_words", "widen_lean", "check_float_tensor", "round_up", "BLOCK_SCALES",
            "check_block_scale", "T_PAD", "FLOAT_DTYPES"]
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
@@ -79,17 +79,6 @@ def nan_sign(x_raw):
 
 
 @triton.jit
-def widen_to_fp32(x, EMULATED: tl.constexpr):
-    """x (fp32 / bf16 / fp16) as fp32, exactly. The interpreter's bf16 -> fp32 cast flushes some subnormals: widen
-    bf16 through its bits there."""
-    if EMULATED and x.dtype == tl.bfloat16:
-        y = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        y = x.to(tl.float32)
-    return y
-
-
-@triton.jit
 def quantize_with_scale(x, scale, sign, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
     """Element code bits (uint8; SPEC §5, §2 element rules): E4M3 round-to-nearest-even of fp32(x * scale), saturated
     to ±448; NaN is 0x7F | sign (sign: 0 or 0x80, see `nan_sign`), the sign of zero is kept.
@@ -107,11 +96,11 @@ def quantize_with_scale(x, scale, sign, EMULATED: tl.constexpr, NAN_SIGN: tl.con
 
 
 @triton.jit
-def widen_to_fp32_lean(x, EMULATED: tl.constexpr):
-    """`widen_to_fp32` with bf16 on the GPU as one shift / one mask per element of a bf16 pair held in one 32-bit
+def widen_lean(x, EMULATED: tl.constexpr):
+    """`widen` with bf16 on the GPU as one shift / one mask per element of a bf16 pair held in one 32-bit
     register (the default lowering spends three instructions per pair more); the same bits."""
     if EMULATED or x.dtype != tl.bfloat16:
-        y = widen_to_fp32(x, EMULATED)
+        y = widen(x, EMULATED)
     else:
         y = tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }", "=r,=r,r", [x],
                                       dtype=tl.float32, is_pure=True, pack=2)
@@ -172,7 +161,7 @@ def nan_max(a, b, EMULATED: tl.constexpr):
 @triton.jit
 def block_amax(x, EMULATED: tl.constexpr):
     """NaN-ignoring amax of a whole 2-D tile (one 128x128 block): the max of its rows' amaxes."""
-    return amax_nan_ignoring(amax_nan_ignoring(x, 1, EMULATED), 0, EMULATED)
+    return amax(amax(x, 1, EMULATED), 0, EMULATED)
 
 
 # ------------------------------------------------------------------------------------------------ host checks

@@ -20,7 +20,7 @@ from ._fp8_block import (
     fp8_block_scale,
     nan_sign,
     quantize_with_scale,
-    widen_to_fp32,
+    widen,
 )
 
 
@@ -39,7 +39,7 @@ def _fp8_block_quant_kernel(
     m_m, m_n = o_m < M, o_n < N
     m = m_m[:, None] & m_n[None, :]
     b_raw = tl.load(x_ptr + o_m[:, None] * stride_m + o_n[None, :] * stride_n, mask=m, other=float("nan"))
-    b_x = widen_to_fp32(b_raw, EMULATED)  # [BLOCK_M, BLOCK_N]
+    b_x = widen(b_raw, EMULATED)  # [BLOCK_M, BLOCK_N]
     b_sign = nan_sign(b_raw)  # the input's NaN signs are kept (SPEC §2 element rules)
     if BM == 1:
         tl.static_assert(BN == BLOCK_N)  # 1x128 along N: one block per row of the tile

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .._config import interpreter_enabled
 from ..reference.fp8_block import FP8_BLOCK
-from ._common import amax_nan_ignoring, cdiv
+from ._common import amax, cdiv
 from ._fp8_block import (
     T_PAD,
     check_block_scale,
@@ -31,8 +31,8 @@ from ._fp8_block import (
     pack_e4m3_words,
     quantize_with_scale,
     round_up,
-    widen_to_fp32,
-    widen_to_fp32_lean,
+    widen,
+    widen_lean,
 )
 from .rmsnorm_quant import _rsigma_kernel
 from .rope_fp8_block import _cols
@@ -56,23 +56,23 @@ def _rmsnorm_fp8_block_kernel(
     m_t = o_t < T
     b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=1.0)  # [128]
     # rows past T load as NaN: ignored by the 128x1 amax, never stored
-    b_x = widen_to_fp32(tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m_t[:, None],
+    b_x = widen(tl.load(x_ptr + o_t[:, None] * stride_x + o_k[None, :], mask=m_t[:, None],
                                 other=float("nan")), EMULATED)  # [128, BLOCK_K]
-    b_g = widen_to_fp32(tl.load(w_ptr + o_k), EMULATED)  # [BLOCK_K]
+    b_g = widen(tl.load(w_ptr + o_k), EMULATED)  # [BLOCK_K]
     if ZERO_CENTERED:
         b_g = b_g + 1.0
     b_xn = b_x * b_rs[:, None] * b_g[None, :]  # the reference's op order
     # (a) 1x128 along K: NB blocks per row of the tile
     NB: tl.constexpr = BLOCK_K // 128
     b_x3 = tl.reshape(b_xn, (128, NB, 128))
-    b_scale, b_sinv = fp8_block_scale(amax_nan_ignoring(b_x3, 2, EMULATED), POW2)  # [128, NB]
+    b_scale, b_sinv = fp8_block_scale(amax(b_x3, 2, EMULATED), POW2)  # [128, NB]
     b_q = tl.reshape(quantize_with_scale(b_x3, b_scale[:, :, None], 0, EMULATED, False), (128, BLOCK_K))
     tl.store(row_data_ptr + o_t[:, None] * K + o_k[None, :], b_q, mask=m_t[:, None])
     o_b = i_k * NB + tl.arange(0, NB)
     tl.store(row_sinv_ptr + o_b[None, :] * T + o_t[:, None], b_sinv, mask=m_t[:, None])  # M-major [K/128, T]
     if COLUMNWISE:
         # (b) 128x1 along T: the tile's 128 rows are one block per column
-        b_cscale, b_csinv = fp8_block_scale(amax_nan_ignoring(b_xn, 0, EMULATED), POW2)  # [BLOCK_K]
+        b_cscale, b_csinv = fp8_block_scale(amax(b_xn, 0, EMULATED), POW2)  # [BLOCK_K]
         b_cq = quantize_with_scale(b_xn, b_cscale[None, :], 0, EMULATED, False)
         b_cq = tl.where(m_t[:, None], b_cq, 0).to(tl.uint8)  # zero codes in the padding [T, T_pad)
         # transposed [K, T_pad]: tokens contiguous in memory
@@ -100,16 +100,16 @@ def _rmsnorm_fp8_block_packed_kernel(
     o_k = i_k * BLOCK_K + _cols(0, BLOCK_K, 8)  # K % BLOCK_K == 0: no column mask
     b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=1.0)  # [TR, TJ]
     # rows past T load as NaN: ignored by the 128x1 amax, never stored
-    b_x = widen_to_fp32_lean(tl.load(x_ptr + o_t[:, :, None] * stride_x + o_k[None, None, :], mask=m_t[:, :, None],
+    b_x = widen_lean(tl.load(x_ptr + o_t[:, :, None] * stride_x + o_k[None, None, :], mask=m_t[:, :, None],
                                 other=float("nan")), EMULATED)  # [TR, TJ, BLOCK_K]
-    b_g = widen_to_fp32_lean(tl.load(w_ptr + o_k), EMULATED)  # [BLOCK_K]
+    b_g = widen_lean(tl.load(w_ptr + o_k), EMULATED)  # [BLOCK_K]
     if ZERO_CENTERED:
         b_g = b_g + 1.0
     b_xn = b_x * b_rs[:, :, None] * b_g[None, None, :]  # the reference's op order
     # (a) 1x128 along K: NB blocks per row of the tile
     NB: tl.constexpr = BLOCK_K // 128
     b_x4 = tl.reshape(b_xn, (TR, TJ, NB, 128))
-    b_scale, b_sinv = fp8_block_scale(amax_nan_ignoring(b_x4, 3, EMULATED), POW2)  # [TR, TJ, NB]
+    b_scale, b_sinv = fp8_block_scale(amax(b_x4, 3, EMULATED), POW2)  # [TR, TJ, NB]
     b_rw = pack_e4m3_words(tl.reshape(b_x4 * b_scale[:, :, :, None], (TR, TJ, BLOCK_K)), EMULATED)  # [.., BK/4]
     o_kw = i_k * (BLOCK_K // 4) + _cols(0, BLOCK_K // 4, 2)
     tl.store(row_w_ptr + o_t[:, :, None] * (K // 4) + o_kw[None, None, :], b_rw, mask=m_t[:, :, None])
@@ -117,7 +117,7 @@ def _rmsnorm_fp8_block_packed_kernel(
     tl.store(row_sinv_ptr + o_b[None, None, :] * T + o_t[:, :, None], b_sinv, mask=m_t[:, :, None])  # [K/128, T]
     if COLUMNWISE:
         # (b) 128x1 along T: the tile's 128 rows are one block per column
-        b_cscale, b_csinv = fp8_block_scale(amax_nan_ignoring(amax_nan_ignoring(b_xn, 1, EMULATED), 0, EMULATED),
+        b_cscale, b_csinv = fp8_block_scale(amax(amax(b_xn, 1, EMULATED), 0, EMULATED),
                                             POW2)  # [BLOCK_K]
         b_cw = pack_e4m3_words(tl.permute(b_xn * b_cscale[None, None, :], (0, 2, 1)), EMULATED)  # [TR, BK, TJ/4]
         o_tw = (i_t * 128 + o_r[:, None] * TJ) // 4 + tl.arange(0, TJ // 4)[None, :]  # [TR, TJ/4]: token words

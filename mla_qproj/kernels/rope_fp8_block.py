@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .._config import ROPE_STYLES, interpreter_enabled, validate_choice
 from ..reference.fp8_block import FP8_BLOCK
-from ._common import amax_nan_ignoring, cdiv, check_pair_tables, rope_sources
+from ._common import amax, cdiv, check_pair_tables, rope_sources
 from ._fp8_block import (
     T_PAD,
     check_block_scale,
@@ -40,8 +40,8 @@ from ._fp8_block import (
     pack_e4m3_words,
     quantize_with_scale,
     round_up,
-    widen_to_fp32,
-    widen_to_fp32_lean,
+    widen,
+    widen_lean,
 )
 
 
@@ -61,7 +61,7 @@ def _store_col_blocks(b_g, o_t, i_t, T_pad, col0, col_data_ptr, col_sinv_ptr, N:
     hold 0). Codes stored transposed [N, T_pad]: the padding rows' codes are those zeros."""
     o_c = col0 + tl.arange(0, W).to(tl.int64)
     m_c = o_c < N
-    b_scale, b_sinv = fp8_block_scale(amax_nan_ignoring(b_g, 0, EMULATED), POW2)  # [W]
+    b_scale, b_sinv = fp8_block_scale(amax(b_g, 0, EMULATED), POW2)  # [W]
     b_q = quantize_with_scale(b_g, b_scale[None, :], 0, EMULATED, False)
     tl.store(col_data_ptr + o_c[:, None] * T_pad + o_t[None, :], tl.trans(b_q),
              mask=m_c[:, None] & (o_t < T_pad)[None, :])  # [W, 128]: tokens contiguous in memory
@@ -81,12 +81,12 @@ def _gather_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOPE: t
     is_rope = (p >= 0) & (p < R) & m_n
     src1, src2, sign, pair = rope_sources(tl.where(is_rope, p, 0), R // 2, STYLE, True)
     base = h * D + NOPE
-    b_v1 = widen_to_fp32(tl.load(p_row + tl.where(is_rope, base + src1, o_n)[None, :],
+    b_v1 = widen(tl.load(p_row + tl.where(is_rope, base + src1, o_n)[None, :],
                                  mask=m_t[:, None] & m_n[None, :], other=0.0), EMULATED)  # [128, W]
     m_r = m_t[:, None] & is_rope[None, :]
-    b_v2 = widen_to_fp32(tl.load(p_row + (base + src2)[None, :], mask=m_r, other=0.0), EMULATED)  # [128, W]
-    b_c = widen_to_fp32(tl.load(cos_ptr + o_cs + pair[None, :], mask=m_r, other=1.0), EMULATED)  # [128, W]
-    b_s = widen_to_fp32(tl.load(sin_ptr + o_cs + pair[None, :], mask=m_r, other=0.0), EMULATED)
+    b_v2 = widen(tl.load(p_row + (base + src2)[None, :], mask=m_r, other=0.0), EMULATED)  # [128, W]
+    b_c = widen(tl.load(cos_ptr + o_cs + pair[None, :], mask=m_r, other=1.0), EMULATED)  # [128, W]
+    b_s = widen(tl.load(sin_ptr + o_cs + pair[None, :], mask=m_r, other=0.0), EMULATED)
     # (v1*c) + ((±v2)*s): bitwise the reference's a*c + b*s / b*c - a*s (FMA contraction off)
     return tl.where(is_rope[None, :], b_v1 * b_c + (sign[None, :] * b_v2) * b_s, b_v1)
 
@@ -108,31 +108,31 @@ def _contiguous_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOP
             o_w = tl.arange(0, W)
             hi = p0 >= HALF
             pair0 = tl.where(hi, p0 - HALF, p0)
-            b_x1 = widen_to_fp32(tl.load(p_head + p0 + o_w[None, :], mask=m, other=0.0), EMULATED)  # [128, W]
-            b_x2 = widen_to_fp32(tl.load(p_head + tl.where(hi, p0 - HALF, p0 + HALF) + o_w[None, :], mask=m,
+            b_x1 = widen(tl.load(p_head + p0 + o_w[None, :], mask=m, other=0.0), EMULATED)  # [128, W]
+            b_x2 = widen(tl.load(p_head + tl.where(hi, p0 - HALF, p0 + HALF) + o_w[None, :], mask=m,
                                          other=0.0), EMULATED)  # [128, W]
-            b_c = widen_to_fp32(tl.load(cos_ptr + o_cs + pair0 + o_w[None, :], mask=m_t[:, None], other=1.0),
+            b_c = widen(tl.load(cos_ptr + o_cs + pair0 + o_w[None, :], mask=m_t[:, None], other=1.0),
                                 EMULATED)
-            b_s = widen_to_fp32(tl.load(sin_ptr + o_cs + pair0 + o_w[None, :], mask=m_t[:, None], other=0.0),
+            b_s = widen(tl.load(sin_ptr + o_cs + pair0 + o_w[None, :], mask=m_t[:, None], other=0.0),
                                 EMULATED)
             b_g = b_x1 * b_c + (tl.where(hi, -1.0, 1.0) * b_x2) * b_s  # lo: a c + b s; hi: b c - a s
         else:
             o_h = tl.arange(0, W // 2)
             i0 = p0 // 2  # the run's first pair
             if STYLE == "deepseek":
-                b_x1 = widen_to_fp32(tl.load(p_head + i0 + o_h[None, :], mask=m, other=0.0), EMULATED)
-                b_x2 = widen_to_fp32(tl.load(p_head + HALF + i0 + o_h[None, :], mask=m, other=0.0),
+                b_x1 = widen(tl.load(p_head + i0 + o_h[None, :], mask=m, other=0.0), EMULATED)
+                b_x2 = widen(tl.load(p_head + HALF + i0 + o_h[None, :], mask=m, other=0.0),
                                      EMULATED)  # [128, W/2]
             else:
                 tl.static_assert(STYLE == "gptj")
-                b_x = widen_to_fp32(tl.load(p_head + p0 + tl.arange(0, W)[None, :], mask=m, other=0.0),
+                b_x = widen(tl.load(p_head + p0 + tl.arange(0, W)[None, :], mask=m, other=0.0),
                                     EMULATED)  # [128, W]
                 b_x1, b_x2 = tl.split(tl.reshape(b_x, [128, W // 2, 2]))
-            b_c = widen_to_fp32(tl.load(cos_ptr + o_cs + i0 + o_h[None, :], mask=m_t[:, None], other=1.0), EMULATED)
-            b_s = widen_to_fp32(tl.load(sin_ptr + o_cs + i0 + o_h[None, :], mask=m_t[:, None], other=0.0), EMULATED)
+            b_c = widen(tl.load(cos_ptr + o_cs + i0 + o_h[None, :], mask=m_t[:, None], other=1.0), EMULATED)
+            b_s = widen(tl.load(sin_ptr + o_cs + i0 + o_h[None, :], mask=m_t[:, None], other=0.0), EMULATED)
             b_g = tl.reshape(tl.join(b_x1 * b_c + b_x2 * b_s, b_x2 * b_c - b_x1 * b_s), [128, W])
     else:
-        b_g = widen_to_fp32(tl.load(p_row + n0 + tl.arange(0, W)[None, :], mask=m, other=0.0), EMULATED)
+        b_g = widen(tl.load(p_row + n0 + tl.arange(0, W)[None, :], mask=m, other=0.0), EMULATED)
     return b_g
 
 
@@ -171,11 +171,11 @@ def _rope_fp8_block_kernel(
     n0 = i_n * 128
     b_0 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
     b_1 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + W, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
-    b_amax = nan_max(amax_nan_ignoring(b_0, 1, EMULATED), amax_nan_ignoring(b_1, 1, EMULATED), EMULATED)
+    b_amax = nan_max(amax(b_0, 1, EMULATED), amax(b_1, 1, EMULATED), EMULATED)
     if W == 32:
         b_2 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 2 * W, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
         b_3 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 3 * W, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
-        b_amax = nan_max(b_amax, nan_max(amax_nan_ignoring(b_2, 1, EMULATED), amax_nan_ignoring(b_3, 1, EMULATED),
+        b_amax = nan_max(b_amax, nan_max(amax(b_2, 1, EMULATED), amax(b_3, 1, EMULATED),
                                          EMULATED), EMULATED)
     b_scale, b_sinv = fp8_block_scale(b_amax, POW2)  # [128]: one 1x128 block per row
     tl.store(row_sinv_ptr + i_n.to(tl.int64) * T + o_t, b_sinv, mask=m_t)  # M-major [ceil(N/128), T]
@@ -224,10 +224,10 @@ def _packed_run(p_row, m, cos_ptr, sin_ptr, o_cs, n, POS: tl.constexpr, NOPE: tl
             PAIR0: tl.constexpr = P0 - HALF if P0 >= HALF else P0
             PARTNER: tl.constexpr = P0 - HALF if P0 >= HALF else P0 + HALF
             o_w = _cols(0, W, C)[None, None, :]
-            b_x1 = widen_to_fp32_lean(tl.load(p_head + P0 + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
-            b_x2 = widen_to_fp32_lean(tl.load(p_head + PARTNER + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
-            b_c = widen_to_fp32_lean(tl.load(cos_ptr + o_cs + PAIR0 + o_w, mask=m, other=1.0), EMULATED)  # [TR, TJ, W]
-            b_s = widen_to_fp32_lean(tl.load(sin_ptr + o_cs + PAIR0 + o_w, mask=m, other=0.0), EMULATED)
+            b_x1 = widen_lean(tl.load(p_head + P0 + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
+            b_x2 = widen_lean(tl.load(p_head + PARTNER + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
+            b_c = widen_lean(tl.load(cos_ptr + o_cs + PAIR0 + o_w, mask=m, other=1.0), EMULATED)  # [TR, TJ, W]
+            b_s = widen_lean(tl.load(sin_ptr + o_cs + PAIR0 + o_w, mask=m, other=0.0), EMULATED)
             if P0 >= HALF:  # b c - a s; (-1.0 * a): Triton's unary minus is 0 - a, which loses the sign of zero
                 b_g = b_x1 * b_c + (-1.0 * b_x2) * b_s
             else:  # a c + b s
@@ -236,19 +236,19 @@ def _packed_run(p_row, m, cos_ptr, sin_ptr, o_cs, n, POS: tl.constexpr, NOPE: tl
             I0: tl.constexpr = P0 // 2  # the run's first pair
             o_h = _cols(0, W // 2, C // 2)[None, None, :]
             if STYLE == "deepseek":
-                b_x1 = widen_to_fp32_lean(tl.load(p_head + I0 + o_h, mask=m, other=0.0), EMULATED)  # [TR, TJ, W/2]
-                b_x2 = widen_to_fp32_lean(tl.load(p_head + HALF + I0 + o_h, mask=m, other=0.0), EMULATED)
+                b_x1 = widen_lean(tl.load(p_head + I0 + o_h, mask=m, other=0.0), EMULATED)  # [TR, TJ, W/2]
+                b_x2 = widen_lean(tl.load(p_head + HALF + I0 + o_h, mask=m, other=0.0), EMULATED)
             else:
                 tl.static_assert(STYLE == "gptj")
-                b_x = widen_to_fp32_lean(tl.load(p_head + P0 + _cols(0, W, C)[None, None, :], mask=m, other=0.0),
+                b_x = widen_lean(tl.load(p_head + P0 + _cols(0, W, C)[None, None, :], mask=m, other=0.0),
                                     EMULATED)  # [TR, TJ, W]
                 b_x1, b_x2 = tl.split(tl.reshape(b_x, [b_x.shape[0], b_x.shape[1], W // 2, 2]))
-            b_c = widen_to_fp32_lean(tl.load(cos_ptr + o_cs + I0 + o_h, mask=m, other=1.0), EMULATED)  # [TR, TJ, W/2]
-            b_s = widen_to_fp32_lean(tl.load(sin_ptr + o_cs + I0 + o_h, mask=m, other=0.0), EMULATED)
+            b_c = widen_lean(tl.load(cos_ptr + o_cs + I0 + o_h, mask=m, other=1.0), EMULATED)  # [TR, TJ, W/2]
+            b_s = widen_lean(tl.load(sin_ptr + o_cs + I0 + o_h, mask=m, other=0.0), EMULATED)
             b_g = tl.reshape(tl.join(b_x1 * b_c + b_x2 * b_s, b_x2 * b_c - b_x1 * b_s),
                              [b_x1.shape[0], b_x1.shape[1], W])
     else:
-        b_g = widen_to_fp32_lean(tl.load(p_row + n + _cols(0, W, C)[None, None, :], mask=m, other=0.0), EMULATED)
+        b_g = widen_lean(tl.load(p_row + n + _cols(0, W, C)[None, None, :], mask=m, other=0.0), EMULATED)
     return b_g
 
 
@@ -264,7 +264,7 @@ def _packed_store(b_g, b_scale, o_t, i_t, n, T_pad, row_w_ptr, col_w_ptr, col_si
     o_rw = _cols(n // 4, W // 4, C // 4)
     tl.store(row_w_ptr + o_t[:, :, None] * (N // 4) + o_rw[None, None, :], b_rw, mask=m_t[:, :, None] & m_n)
     o_c = n + _cols(0, W, C).to(tl.int64)
-    b_cscale, b_csinv = fp8_block_scale(amax_nan_ignoring(amax_nan_ignoring(b_g, 1, EMULATED), 0, EMULATED),
+    b_cscale, b_csinv = fp8_block_scale(amax(amax(b_g, 1, EMULATED), 0, EMULATED),
                                         POW2)  # [W]
     b_cw = pack_e4m3_words(tl.permute(b_g * b_cscale[None, None, :], (0, 2, 1)), EMULATED)  # [TR, W, TJ/4]
     o_r = tl.arange(0, TR)
@@ -306,7 +306,7 @@ def _rope_fp8_block_packed_kernel(
                           EMULATED)
         b_1 = _packed_run(p_row, m_t[:, :, None] & m1, cos_ptr, sin_ptr, o_cs, n0 + W, (b * 128 + W) % D, NOPE, R,
                           STYLE, W, EMULATED)
-        b_amax = nan_max(amax_nan_ignoring(b_0, 2, EMULATED), amax_nan_ignoring(b_1, 2, EMULATED), EMULATED)
+        b_amax = nan_max(amax(b_0, 2, EMULATED), amax(b_1, 2, EMULATED), EMULATED)
         if W == 32:
             m2 = (n0 + 2 * W < N) | (not PARTIAL)
             m3 = (n0 + 3 * W < N) | (not PARTIAL)
@@ -314,8 +314,8 @@ def _rope_fp8_block_packed_kernel(
                               NOPE, R, STYLE, W, EMULATED)
             b_3 = _packed_run(p_row, m_t[:, :, None] & m3, cos_ptr, sin_ptr, o_cs, n0 + 3 * W, (b * 128 + 3 * W) % D,
                               NOPE, R, STYLE, W, EMULATED)
-            b_amax = nan_max(b_amax, nan_max(amax_nan_ignoring(b_2, 2, EMULATED),
-                                             amax_nan_ignoring(b_3, 2, EMULATED), EMULATED), EMULATED)
+            b_amax = nan_max(b_amax, nan_max(amax(b_2, 2, EMULATED),
+                                             amax(b_3, 2, EMULATED), EMULATED), EMULATED)
         b_scale, b_sinv = fp8_block_scale(b_amax, POW2)  # [TR, TJ]: one 1x128 block per row
         i_n = (n0 // 128).to(tl.int64)
         tl.store(row_sinv_ptr + i_n * T + o_t, b_sinv, mask=m_t & m0)  # M-major [ceil(N/128), T]
