@@ -29,7 +29,9 @@ def test_bench_tp_gloo_smoke(tmp_path):
     and reports the bytes each collective moves per token."""
     import os
 
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")  # the reference backend: quick on the CPU
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package, installed or not
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1",  # the reference backend: quick on the CPU
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
                           "mla_qproj.bench_tp", "--device", "cpu", "--tokens", "512", "--heads", "4", "--k", "128",
                           "--no-compile", "--warmup", "1", "--rep", "1", "--results", str(tmp_path / "r.jsonl"),

@@ -362,7 +362,8 @@ def _check_fp8(out, ref, cfg, min_codes=None, bf16_bound=REL_ERR_BF16_ROUNDING):
         assert d.shape == ed.shape and d.dtype == F8 and sc.shape == es.shape and sc.dtype == torch.uint8
         codes, scales = code_match_fraction(d, ed), code_match_fraction(sc, es)
         assert codes >= min_codes, f"{label}: only {codes:.5f} of the codes identical"
-        assert scales >= MIN_CODE_MATCH, f"{label}: only {scales:.5f} of the scale bytes identical"
+        # a block's scale follows its amax, which the FP8 tensor cores' accumulation moves as well
+        assert scales >= min(min_codes, MIN_CODE_MATCH), f"{label}: only {scales:.5f} of the scale bytes identical"
         assert_rel_err(deq(d, sc), deq(ed, es), REL_ERR_SAME_QUANT, f"{label} decoded")
 
 
@@ -397,17 +398,17 @@ def test_fp8_awkward_cases(name, device):
 
 
 def test_fp8_configs_same_bytes(device):
-    """Launch configs change nothing in the bytes: TMA stores, the plain tile loop, gathered pair tables, [64, 128]
-    and [128, 128] tiles, and HB = 128 ([64, 256] tiles, on a W' laid out for it), against the default
-    (HB = 64; T = 40: partial tiles either way)."""
+    """Launch configs change nothing in the bytes: TMA stores, the plain tile loop, gathered pair tables, [64, 256]
+    and [128, 256] tiles, and HB = 64 ([128, 128] tiles, on a W' laid out for it), against the default
+    (HB = 128; T = 40: partial tiles either way)."""
     cfg = _cfg(128, 3, 128, 64, 192, "deepseek", "mxfp8", True)
-    args, scales, ref, (args128, scales128) = _fp8_case(40, cfg, device, other_hb=128)
+    args, scales, ref, (args64, scales64) = _fp8_case(40, cfg, device, other_hb=64)
     base = qproj_gemm_fwd(*args, **scales)
     _check_fp8(base, ref, cfg)
-    assert default_config(40, device, cfg, "fp8_block").HB == fused_half_width(cfg, "fp8_block") == 64
+    assert default_config(40, device, cfg, "fp8_block").HB == fused_half_width(cfg, "fp8_block") == 128
     for changes in (dict(TMA_STORE=True), dict(FLATTEN=False, ROPE_BCAST=False), dict(BLOCK_M=64, num_warps=8),
-                    dict(BLOCK_M=128), dict(HB=128), dict(HB=128, BLOCK_M=64, TMA_STORE=True)):
-        a, sc = (args128, scales128) if changes.get("HB") == 128 else (args, scales)
+                    dict(BLOCK_M=128), dict(HB=64), dict(HB=64, BLOCK_M=128, TMA_STORE=True)):
+        a, sc = (args64, scales64) if changes.get("HB") == 64 else (args, scales)
         out = qproj_gemm_fwd(*a, **sc, config=_fp8_config(40, cfg, device, **changes))
         for i, (o, b) in enumerate(zip(out, base, strict=True)):
             assert_bytes_equal(o, b, f"{changes} output {i}")
@@ -452,7 +453,7 @@ def test_half_width_layout_and_errors(device, monkeypatch):
     monkeypatch.setattr(qproj_gemm, "_num_sms", lambda index: 132)  # the GPU chooser, without a GPU
     monkeypatch.setattr(qproj_gemm, "_DEFAULT_CONFIGS", {})
     cfg = _cfg(128, 2, 128, 64, 192)  # N = 384: W' has 512 rows at HB = 128, 384 at HB = 64
-    assert fused_half_width(cfg) == 128 and fused_half_width(cfg, "fp8_block") == 64
+    assert fused_half_width(cfg) == 128 and fused_half_width(cfg, "fp8_block") == 128
     assert [fused_layout(cfg, hb) for hb in (128, 64)] == [(1, 1, 512), (2, 1, 384)]
     for T in (1, 64, 65, 20000):  # every T bucket: the same half width (the layer lays W' out once)
         for operands in ("bf16", "fp8_block"):
@@ -464,11 +465,11 @@ def test_half_width_layout_and_errors(device, monkeypatch):
         fused_row_source(cfg, "fp8_block", 96)
     p64 = _cfg(128, 2, 64, 64, 128)  # TMA stores: a pass-through half must not straddle a head's P columns
     assert tma_store_supported(p64, 64) and not tma_store_supported(p64, 128)
-    args, scales, _, (args128, scales128) = _fp8_case(8, cfg, device, other_hb=128)
-    with pytest.raises(ValueError, match=r"w_prepared must be \[384, 128\] \(from prepare_fused_weight_fp8 with half"):
-        qproj_gemm_fwd(*args128, **scales128)  # a W' for HB = 128 with the default config (HB = 64)
-    with pytest.raises(ValueError, match=r"w_prepared must be \[512, 128\]"):
-        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, HB=128))
+    args, scales, _, (args64, scales64) = _fp8_case(8, cfg, device, other_hb=64)
+    with pytest.raises(ValueError, match=r"w_prepared must be \[512, 128\] \(from prepare_fused_weight_fp8 with half"):
+        qproj_gemm_fwd(*args64, **scales64)  # a W' for HB = 64 with the default config (HB = 128)
+    with pytest.raises(ValueError, match=r"w_prepared must be \[384, 128\]"):
+        qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, HB=64))
     with pytest.raises(ValueError, match="config.HB must be one of"):
         qproj_gemm_fwd(*args, **scales, config=_fp8_config(8, cfg, device, HB=32))
     with pytest.raises(ValueError, match="config.BLOCK_M must be a multiple of 32"):
@@ -477,10 +478,10 @@ def test_half_width_layout_and_errors(device, monkeypatch):
     with pytest.raises(ValueError, match="TMA_STORE does not cover this geometry with HB = 128"):
         qproj_gemm_fwd(a.float().bfloat16(), prepare_fused_weight(w, p64), c, s, p64,
                        config=_config(8, p64, device, TMA_STORE=True))
-    r256 = _cfg(128, 2, 64, 256, 320)  # R/2 = 128 does not divide HB = 64 (the config is checked first)
-    assert not default_config(8, device, r256, "fp8_block").ROPE_BCAST
+    r256 = _cfg(128, 2, 64, 256, 320)  # R/2 = 128 divides the default HB = 128, not HB = 64 (config checked first)
+    assert default_config(8, device, r256, "fp8_block").ROPE_BCAST
     with pytest.raises(ValueError, match="ROPE_BCAST needs R/2 a power of two dividing 64"):
-        qproj_gemm_fwd(*args[:4], r256, **scales, config=_fp8_config(8, r256, device, ROPE_BCAST=True))
+        qproj_gemm_fwd(*args[:4], r256, **scales, config=_fp8_config(8, r256, device, ROPE_BCAST=True, HB=64))
 
 
 def test_fp8_nan_code(device):
@@ -507,14 +508,14 @@ def test_prepare_fused_weight_fp8_exact(style, geo, hb, device):
     """W' codes and scale_inv against a direct gather: within each 2·hb-row tile of the bf16 order, rows
     [lo 0:hb/2 | lo hb/2:hb | hi 0:hb/2 | hi hb/2:hb] become [lo 0:hb/2 | hi 0:hb/2 | lo hb/2:hb | hi hb/2:hb]; the
     scale_inv of row r for K block kb is W's tile scale_inv [src(r) // 128, kb]; padding rows code 0, scale 0.
-    hb None: the default, 64 for fp8_block operands."""
+    hb None: the default, 128 for fp8_block operands."""
     H, P, R, D = geo
     cfg = _cfg(256, H, P, R, D, style)
     N = cfg.out_features
     w = (torch.randn(N, 256, device=device) * 40).to(F8)
     sw = torch.rand(-(-N // 128), 2, device=device) + 0.5
     wp, wps = prepare_fused_weight_fp8(w, sw, cfg, hb=hb)
-    hb = 64 if hb is None else hb
+    hb = 128 if hb is None else hb
     src16 = _column_maps(cfg, hb)[0]
     assert src16.numel() == fused_layout(cfg, hb)[2] == wp.shape[0]
     r = torch.arange(src16.numel())

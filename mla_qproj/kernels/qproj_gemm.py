@@ -101,13 +101,12 @@ def fused_gemm_supported(cfg: QProjConfig) -> bool:
 def fused_half_width(cfg: QProjConfig, operands: str = "bf16") -> int:
     """HB, the W' layout's half width for these operands: a function of the layer's geometry and precision only
     (the layer lays W' out once, `fused_row_source`), never of T. bf16 operands: 128 (one [BLOCK_M, 256] dot split
-    in registers, measured best). fp8_block: 64, so that a [128, 128] tile with 8 warps holds the accumulator and
-    the block's dot result (64 fp32 registers each per thread) without spilling. cfg is taken for the signature's
-    sake: every geometry `fused_gemm_supported` covers works with either width."""
-    if operands == "bf16":
+    in registers, measured best). fp8_block: 128 as well: [64, 256] tiles ran faster on the H200 than the [128, 128]
+    tiles of HB = 64 (BENCHMARKS.md: 2.01 vs 2.05-2.13 ms at T = 16384, bf16 out); HB = 64 stays supported
+    (`GemmConfig.HB`, with W' laid out for it). cfg is taken for the signature's sake: every geometry
+    `fused_gemm_supported` covers works with either width."""
+    if operands in OPERANDS:
         return HALF_N
-    if operands == "fp8_block":
-        return 64
     raise ValueError(f"operands must be one of {OPERANDS}, got {operands!r}")
 
 
@@ -621,21 +620,15 @@ def _default_config_bf16(T: int, device: torch.device, cfg: QProjConfig) -> Gemm
 
 
 def _default_config_fp8(T: int, device: torch.device, cfg: QProjConfig) -> GemmConfig:
-    """BLOCK_K = 128: one scale block per step; HB = 64 (`fused_half_width`): [128, 128] tiles with 8 warps (two
-    warpgroups stacked along M), each thread holding 64 registers of the accumulator plus 64 of the block's dot
-    result; 4 stages of 32 KB (A 16 KB + W' 16 KB) fit next to the epilogue's buffers (sm_90 offline compile:
-    `tools/gemm_fp8_probe.py --offline`; a [128, 256] tile doubles both register sets and spills). The persistent
-    loop is not flattened there: flattening hoists the next tile's first loads (and its scale prefetch) over the
-    epilogue, and with the MXFP8 epilogue live that spills. Up to 64 tokens one warpgroup on [64, 128] tiles: half
-    of a 128-row tile would be padding."""
+    """BLOCK_K = 128: one scale block per step; HB = 128 (`fused_half_width`): [64, 256] tiles with 8 warps (two
+    warpgroups side by side along N, hence W's quarter order), 4 stages (sm_90 offline: 194-197 registers, no
+    spills; a [128, 256] tile doubles the accumulator and the block's dot result and spills). Measured on the H200
+    against the [128, 128] tiles of HB = 64 (BENCHMARKS.md): the faster at T = 16384, 5 % behind at 4096."""
     hb = fused_half_width(cfg, "fp8_block")
     if device.type != "cuda":
         return _geometry_config(T, device, cfg, hb, BLOCK_M=32, BLOCK_K=128, GROUP_M=2, NUM_SMS=3, num_warps=4,
                                 num_stages=1)
-    if T <= 64:
-        return _geometry_config(T, device, cfg, hb, BLOCK_M=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-    return _geometry_config(T, device, cfg, hb, flatten=False, BLOCK_M=128, BLOCK_K=128, GROUP_M=8, num_warps=8,
-                            num_stages=4)
+    return _geometry_config(T, device, cfg, hb, BLOCK_M=64, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 # default configs by (operands, cfg, device, T buckets): building one costs several microseconds of the launch's

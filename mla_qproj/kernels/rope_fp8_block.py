@@ -371,17 +371,14 @@ def packed_fits(cfg: RopeFp8BlockConfig, qk_head_dim: int, rope_dim: int, head_d
 
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
                    device: torch.device) -> RopeFp8BlockConfig:
-    """The word-packed kernel with 4 warps where the geometry allows (sm_90 offline, DeepSeek-V3 deepseek style:
-    0.47 warp-instructions per element against 0.58 with 8 warps and ~1.2 for the byte-transposing kernel; 247
-    registers, no spills: scripts/fp8_block_probe.py --sass); else contiguous runs (the widest that fits) with
-    8 warps; else 32-column gather runs with 16 warps (sm_90, offline: 8 warps spill there, 16 do not)."""
+    """Contiguous runs (the widest that fits) with 4 warps; else 32-column gather runs with 16 warps (sm_90,
+    offline: 8 warps spill there, 16 do not). The word-packed kernel (`packed=True`, faster on the H200) is not the
+    default: compiled, it wrote non-zero codes into the zero padding of the transposed 128x1 form at T = 1 (the
+    interpreter's bytes are right), which the weight gradient's GEMM would add."""
     w = fast_unit(qk_head_dim, rope_dim, head_dim, rope_style)
     if not w:
         return RopeFp8BlockConfig(unit=32, gather=True, num_warps=16)
-    packed = RopeFp8BlockConfig(unit=w, gather=False, num_warps=4, packed=True)
-    if packed_fits(packed, qk_head_dim, rope_dim, head_dim, rope_style):
-        return packed
-    return RopeFp8BlockConfig(unit=w, gather=False)
+    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4)
 
 
 def rope_fp8_block_outputs(dq2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
