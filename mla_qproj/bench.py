@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from .reference.mxfp8 import quantize_rowwise
 from .reference.rope import apply_rope, build_rope_tables, rope_inv_freq
+from .tensor import MXFP8Tensor
 
 K, H, NOPE, ROPE = 1536, 128, 128, 64
 D = NOPE + ROPE
@@ -484,7 +485,7 @@ def accuracy(layers: dict, w: torch.Tensor, g: torch.Tensor, T: int) -> list[dic
             continue
         xr = c["x"].detach().clone().requires_grad_(True)
         q = layer(xr, c["cos"], c["sin"])
-        qd = q.dequantize(torch.float32) if hasattr(q, "dequantize") else q.float()
+        qd = q.dequantize(torch.float32) if isinstance(q, MXFP8Tensor) else q.float()
         layer.zero_grad(set_to_none=True)
         qd.backward(c["dy"].float())
         got = {"q": qd.detach(), "dx": xr.grad, "dnorm_weight": layer.norm_weight.grad, "dweight": layer.weight.grad}
