@@ -1,7 +1,9 @@
-"""Block-scaled FP8 reference (SPEC §5): hand-derived scale and code examples, the GEMM reference against a float64
+"""The pure-PyTorch references alone, expected values from the SPEC's rules evaluated by hand or with numpy float32
+arithmetic, never from the code under test. MXFP8 (SPEC §2, reference/mxfp8.py): hand-derived scale bytes and grid
+roundings, the floor rule's byte 0, the encoder against the explicit E4M3 grid, the round-trip error. Block-scaled
+FP8 (SPEC §5, reference/fp8_block.py): hand-derived scale and code examples, the GEMM reference against a float64
 dequantize-then-matmul within a rounding-error bound, and the layer's forward / backward recipe against an fp64
-unquantized composition. Expected values come from the SPEC's rules evaluated by hand or with numpy float32
-arithmetic, never from the code under test."""
+unquantized composition."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mla_qproj import mxfp8_quantize
 from mla_qproj._config import QProjConfig
 from mla_qproj.reference import fp8_block as F
+from mla_qproj.reference import mxfp8 as R
 from mla_qproj.reference.mxfp8 import dequantize_rowwise
 from mla_qproj.reference.rope import apply_rope
 
-from _tolerances import REL_ERR_FP8_BLOCK, REL_ERR_MXFP8, assert_rel_err
+from _tolerances import REL_ERR_FP8_BLOCK, REL_ERR_MXFP8, assert_bytes_equal, assert_rel_err
 
 NAN = float("nan")
 INF = float("inf")
@@ -314,3 +318,60 @@ def test_layer_nan_is_canonical():
     dq[2, 0, 5] = -NAN
     dr, _, dc, _ = F.grad_operands_fp8_block(dq, ang.cos(), ang.sin(), cfg)
     assert dr.view(torch.uint8)[2, 4].item() == 0x7F and dc.view(torch.uint8)[2, 4].item() == 0x7F  # gptj partner
+
+
+# ------------------------------------------------------------------------------------------------ MXFP8 (SPEC §2)
+
+
+def test_hand_derived_examples():
+    # amax 448 -> v = 1 exactly -> byte 127, elements unscaled; 449 -> v has mantissa bits -> 128
+    assert R.e8m0_from_amax_rceil(torch.tensor([448.0, 449.0, 0.0])).tolist() == [127, 128, 0]
+    # floor: floor(log2(448)) = 8 -> 8 - 8 + 127 = 127; 256 -> 127; 255 -> 126
+    assert R.e8m0_from_amax_floor(torch.tensor([448.0, 256.0, 255.0])).tolist() == [127, 127, 126]
+    # RNE onto the grid: 17 is halfway between 16 and 18 -> 16 (even); 19 -> 20; 127.97 -> 128; 464 -> 448
+    g = R.round_to_e4m3_grid(torch.tensor([17.0, 19.0, 127.97, 464.0, -1e-12]))
+    assert g[:4].tolist() == [16.0, 20.0, 128.0, 448.0]
+    assert g[4].item() == 0.0 and math.copysign(1.0, g[4].item()) == -1.0
+
+
+def test_floor_byte_zero_decodes_with_two_pow_127():
+    # SPEC §2 floor: amax 2^-125 -> floor(log2) - 8 + 127 = -6 -> byte 0, and r = 2^127 for byte 0 too, so the block
+    # keeps its codes: 2^-125 * 2^127 = 4.0, decoding back exactly (4 * 2^-127); rceil's byte 0 gives r = 1 (zeros)
+    x = torch.full((1, 32), 2.0**-125)
+    x[0, 1] = -(2.0**-126)
+    data, scale = R.quantize_rowwise(x, "floor")
+    assert scale.tolist() == [[0]]
+    assert data.float()[0, :2].tolist() == [4.0, -2.0]
+    assert torch.equal(R.dequantize_rowwise(data, scale), x)
+    data, scale = R.quantize_rowwise(x, "rceil")  # v = 2^-125 / 448 < 2^-127: byte 0, r = 1
+    assert scale.tolist() == [[0]] and (data.float() == 0).all()
+
+
+def test_reference_encoder_matches_explicit_grid():
+    # the reference encodes with torch's cast after clamping (one pass); the kernels' emulated path rounds
+    # explicitly (round_to_e4m3_grid): both must agree on every fp32 value (random bit patterns over all exponents,
+    # scaled normals, the grid's midpoints and their neighbours, NaN and inf)
+    g = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    g = g[torch.isfinite(g)].unique()
+    mids = (g[1:] + g[:-1]) / 2
+    x = torch.cat([
+        torch.randint(-(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int64).to(torch.int32).view(torch.float32),
+        torch.randn(1 << 16) * torch.exp2(torch.randint(-20, 12, (1 << 16,)).float()),
+        mids, -mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+        torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 448.0, 464.0, 465.0]),
+    ])
+    for dev in ("cpu",) + (("cuda",) if torch.cuda.is_available() else ()):  # torch's cast differs past the grid
+        xd = x.to(dev)
+        assert_bytes_equal(R.encode_e4m3(xd, xd), R.to_e4m3(R.round_to_e4m3_grid(xd), xd), f"encode vs grid {dev}")
+        no_nan = xd[~torch.isnan(xd)]
+        assert_bytes_equal(R.encode_e4m3(no_nan, no_nan, has_nan=False), R.to_e4m3(R.round_to_e4m3_grid(no_nan),
+                                                                                   no_nan), f"no-NaN path {dev}")
+
+
+def test_dequantize_roundtrip_error():
+    x = torch.randn(64, 128)
+    q = mxfp8_quantize(x, columnwise=True, backend="torch")
+    for deq in (R.dequantize_rowwise(q.rowwise_data, q.rowwise_scale),
+                R.dequantize_columnwise(q.columnwise_data, q.columnwise_scale)):
+        big = x.abs() > 2.0**-6 * x.abs().max()
+        assert ((deq - x).abs()[big] <= x.abs()[big] * 2.0**-4).all()

@@ -1,5 +1,7 @@
-"""MXFP8 quantization: Triton kernel (interpreter on CPU, compiled on GPU) vs the reference, byte for byte,
-plus hand-derived SPEC §2 examples."""
+"""MXFP8 quantization kernels (kernels/mxfp8_quant.py; interpreter on CPU, compiled on GPU) vs the reference,
+byte for byte: the quantizer through `mxfp8_quantize(backend="triton")`, the bf16 image of a columnwise tensor, and
+the GPU image path's multipliers (kernels/_common.py `image_multipliers_rceil`) against SPEC §2 rceil. The
+reference's hand-derived SPEC §2 examples: tests/test_reference.py."""
 
 from __future__ import annotations
 
@@ -7,12 +9,17 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_qproj import mxfp8_quantize
+from mla_qproj.kernels._common import image_multipliers_rceil
 from mla_qproj.reference import mxfp8 as R
+from mla_qproj.reference import mxfp8 as RM  # the name the columnwise-image and multiplier tests use
 
+from _helpers import _same_bytes_or_both_nan, bf16_subnormal_heavy
 from _tolerances import assert_bytes_equal
 from conftest import DEVICE
 
@@ -97,8 +104,6 @@ def test_property_shapes_and_magnitudes(lead, nblk, log2mag, scale_mode, columnw
 @pytest.mark.parametrize("scale_mode", MODES)
 def test_bf16_subnormal_input_bytes(scale_mode):
     # bf16 subnormals decide the codes of blocks with a small scale; the interpreter lane widens them exactly too
-    from test_kernels import bf16_subnormal_heavy
-
     _check(bf16_subnormal_heavy((64, 96), 7).to(DEVICE), scale_mode, True, True)
 
 
@@ -107,62 +112,59 @@ def test_columnwise_only_allows_any_width():
     _check(t, "rceil", False, True)
 
 
-def test_hand_derived_examples():
-    # amax 448 -> v = 1 exactly -> byte 127, elements unscaled; 449 -> v has mantissa bits -> 128
-    assert R.e8m0_from_amax_rceil(torch.tensor([448.0, 449.0, 0.0])).tolist() == [127, 128, 0]
-    # floor: floor(log2(448)) = 8 -> 8 - 8 + 127 = 127; 256 -> 127; 255 -> 126
-    assert R.e8m0_from_amax_floor(torch.tensor([448.0, 256.0, 255.0])).tolist() == [127, 127, 126]
-    # RNE onto the grid: 17 is halfway between 16 and 18 -> 16 (even); 19 -> 20; 127.97 -> 128; 464 -> 448
-    g = R.round_to_e4m3_grid(torch.tensor([17.0, 19.0, 127.97, 464.0, -1e-12]))
-    assert g[:4].tolist() == [16.0, 20.0, 128.0, 448.0]
-    assert g[4].item() == 0.0 and math.copysign(1.0, g[4].item()) == -1.0
-
-
-def test_floor_byte_zero_decodes_with_two_pow_127():
-    # SPEC §2 floor: amax 2^-125 -> floor(log2) - 8 + 127 = -6 -> byte 0, and r = 2^127 for byte 0 too, so the block
-    # keeps its codes: 2^-125 * 2^127 = 4.0, decoding back exactly (4 * 2^-127); rceil's byte 0 gives r = 1 (zeros)
-    x = torch.full((1, 32), 2.0**-125)
-    x[0, 1] = -(2.0**-126)
-    data, scale = R.quantize_rowwise(x, "floor")
-    assert scale.tolist() == [[0]]
-    assert data.float()[0, :2].tolist() == [4.0, -2.0]
-    assert torch.equal(R.dequantize_rowwise(data, scale), x)
-    data, scale = R.quantize_rowwise(x, "rceil")  # v = 2^-125 / 448 < 2^-127: byte 0, r = 1
-    assert scale.tolist() == [[0]] and (data.float() == 0).all()
-
-
-def test_reference_encoder_matches_explicit_grid():
-    # the reference encodes with torch's cast after clamping (one pass); the kernels' emulated path rounds
-    # explicitly (round_to_e4m3_grid): both must agree on every fp32 value (random bit patterns over all exponents,
-    # scaled normals, the grid's midpoints and their neighbours, NaN and inf)
-    g = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    g = g[torch.isfinite(g)].unique()
-    mids = (g[1:] + g[:-1]) / 2
-    x = torch.cat([
-        torch.randint(-(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int64).to(torch.int32).view(torch.float32),
-        torch.randn(1 << 16) * torch.exp2(torch.randint(-20, 12, (1 << 16,)).float()),
-        mids, -mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
-        torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 448.0, 464.0, 465.0]),
-    ])
-    for dev in ("cpu",) + (("cuda",) if torch.cuda.is_available() else ()):  # torch's cast differs past the grid
-        xd = x.to(dev)
-        assert_bytes_equal(R.encode_e4m3(xd, xd), R.to_e4m3(R.round_to_e4m3_grid(xd), xd), f"encode vs grid {dev}")
-        no_nan = xd[~torch.isnan(xd)]
-        assert_bytes_equal(R.encode_e4m3(no_nan, no_nan, has_nan=False), R.to_e4m3(R.round_to_e4m3_grid(no_nan),
-                                                                                   no_nan), f"no-NaN path {dev}")
-
-
-def test_dequantize_roundtrip_error():
-    x = torch.randn(64, 128)
-    q = mxfp8_quantize(x, columnwise=True, backend="torch")
-    for deq in (R.dequantize_rowwise(q.rowwise_data, q.rowwise_scale),
-                R.dequantize_columnwise(q.columnwise_data, q.columnwise_scale)):
-        big = x.abs() > 2.0**-6 * x.abs().max()
-        assert ((deq - x).abs()[big] <= x.abs()[big] * 2.0**-4).all()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_mode", MODES)
 def test_gpu_large_random(scale_mode):
     t = torch.randn(8192, 4096, device="cuda") * torch.exp2(torch.randint(-30, 30, (8192, 4096), device="cuda").float())
     _check(t, scale_mode, True, True)
+
+
+@pytest.mark.parametrize("T", [1, 45, 96])
+def test_dequantize_columnwise_kernel(T):
+    """bf16 image of the saved columnwise xn: bytes of the reference's dequantize (NaN positions kept)."""
+    x = torch.randn(T, 96) * torch.exp2(torch.randint(-30, 30, (T, 96)).float())
+    x[0, 3], x[-1, 5], x[T // 2, 7] = float("nan"), -float("nan"), float("inf")
+    x[:, 9] = 0.0
+    cd, cs = RM.quantize_columnwise(x.to(DEVICE))
+    from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16
+
+    _same_bytes_or_both_nan(dequantize_columnwise_bf16(cd, cs), RM.dequantize_columnwise(cd, cs, torch.bfloat16),
+                            "xn image")
+
+
+@triton.jit
+def _image_multipliers_probe(amax_ptr, r_ptr, s_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    b_r, b_s = image_multipliers_rceil(tl.load(amax_ptr + o, mask=m, other=0.0))
+    tl.store(r_ptr + o, b_r, mask=m)
+    tl.store(s_ptr + o, b_s, mask=m)
+
+
+def test_image_multipliers_rceil():
+    """The GPU image path's (r, s), formed from the amax bits without the scale byte, against SPEC §2 rceil:
+    r = quant_multiplier(byte), s = 2^(byte - 127) for bytes 1..254; byte 0 (every code ±0) and an all-NaN block (every
+    code NaN) give r = 1, s = 0 (the same images). Edges: v = amax / 448 subnormal on both sides of 2^-127, exact
+    powers of two, the 0xFE exponent with and without mantissa, fp32 max, inf, NaN; random magnitudes over the range."""
+    g = torch.Generator().manual_seed(11)
+    inv = torch.tensor(1.0 / 448.0, dtype=torch.float32)
+    v_edges = torch.tensor([0x400000, 0x400001, 0x3FFFFF, 0x7FFFFF, 0x800000, 0x800001, 1, 0x7F000000, 0x7F000001,
+                            0x7F7FFFFF, 0x3F800000, 0x3F800001], dtype=torch.int32).view(torch.float32)
+    amax = torch.cat([
+        torch.tensor([0.0, 448.0, 448.0 * 2.0 ** -20, float(torch.finfo(torch.float32).max), float("inf"),
+                      float("nan"), 1e-45, 2.0 ** -126, 2.0 ** 127]),
+        v_edges / inv, v_edges / inv * (1 + 2.0 ** -23), v_edges / inv * (1 - 2.0 ** -23),
+        torch.rand(400, generator=g) * torch.exp2(torch.randint(-149, 128, (400,), generator=g).float()),
+    ]).abs()
+    amax = amax.to(DEVICE)
+    n = amax.numel()
+    r, s = torch.empty_like(amax), torch.empty_like(amax)
+    _image_multipliers_probe[(1,)](amax, r, s, n, BLOCK=triton.next_power_of_2(n))
+    byte = RM.e8m0_from_amax_rceil(amax).to(torch.int32)
+    mid = (byte >= 1) & (byte <= 254)
+    assert mid.sum() > 300 and (byte == 0).any() and (byte == 255).any() and (byte == 254).any(), "edges not hit"
+    assert_bytes_equal(r[mid], RM.quant_multiplier(byte[mid]), "r for bytes 1..254")
+    assert_bytes_equal(s[mid], RM.e8m0_to_fp32(byte[mid]), "s for bytes 1..254")
+    ends = ~mid
+    assert torch.equal(r[ends], torch.ones_like(r[ends])), "r for byte 0 / 0xFF"
+    assert torch.equal(s[ends], torch.zeros_like(s[ends])), "s for byte 0 / 0xFF"

@@ -1,0 +1,79 @@
+"""Input builders and a comparison shared by several test files: special-value matrices and NaNs of a chosen sign
+(the block-scaled FP8 kernels), mostly-subnormal bf16 inputs (the MXFP8 kernels), and byte equality that lets a
+bf16 / fp32 NaN differ in payload and sign."""
+
+from __future__ import annotations
+
+import torch
+
+from _tolerances import assert_bytes_equal
+
+NAN, INF = float("nan"), float("inf")
+# log2 magnitudes each dtype holds (fp16: 2^-24 is its smallest subnormal, 2^15 its largest binade)
+LOG2_RANGE = {torch.float32: (-140, 120), torch.bfloat16: (-140, 120), torch.float16: (-26, 14)}
+
+
+def special_matrix(M: int, N: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random signs and magnitudes over the dtype's range, with a zero row (and -0), a NaN row of both signs, inf /
+    -inf elements, a NaN column, an inf column, a row and a 128x128 corner of tiny values (fp32 / bf16: amax below
+    7 * 2^-122, where 448 / amax overflows to FLT_MAX), fp32 subnormals (bf16 subnormals)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = LOG2_RANGE[dtype]
+    x = torch.randn(M, N, generator=g) * torch.exp2(torch.randint(lo, hi, (M, N), generator=g).float())
+    tiny = 2.0**-125 if dtype != torch.float16 else 2.0**-20
+    sub = 2.0**-138 if dtype != torch.float16 else 2.0**-23
+
+    def put(idx, v):
+        try:
+            x[idx] = v
+        except IndexError:
+            pass
+
+    if M > 2:
+        x[0] = 0.0
+        x[0, 1::3] = -0.0
+        x[2] = torch.randn(N, generator=g) * tiny
+        if M > 3:
+            x[3] = torch.randn(N, generator=g) * sub
+    if N > 7:
+        x[:, 6] = INF * torch.sign(torch.randn(M, generator=g))
+    put((4, 7), -INF)
+    if M > 128 and N > 128:
+        x[128:, 128:] = torch.randn(M - 128, N - 128, generator=g) * tiny
+    x = x.to(dtype)
+    if M > 2:
+        set_nan(x[1], negative=False)
+        set_nan(x[1, ::2], negative=True)
+    if N > 7:
+        set_nan(x[:, 5], negative=False)
+        set_nan(x[::3, 5], negative=True)
+    return x
+
+
+def set_nan(t: torch.Tensor, negative: bool) -> None:
+    """Write NaN of the given sign through the bits (torch's fp32 -> bf16 cast and bf16 fills lose a NaN's sign)."""
+    if t.dtype == torch.float32:
+        t.view(torch.int32).fill_(-0x400000 if negative else 0x7FC00000)
+    else:
+        q = 0x7FC0 if t.dtype == torch.bfloat16 else 0x7E00
+        t.view(torch.int16).fill_(q - 0x10000 + 0x8000 if negative else q)
+
+
+def bf16_subnormal_heavy(shape, seed: int) -> torch.Tensor:
+    """bf16 values that are mostly subnormal (exponent field 0, random mantissa and sign), a few tiny normals and
+    zeros: every MX block's scale is small enough that the subnormals decide its codes (SPEC §2 bytes)."""
+    gen = torch.Generator().manual_seed(seed)
+    mant = torch.randint(0, 0x80, shape, generator=gen, dtype=torch.int32)
+    exp = torch.where(torch.rand(shape, generator=gen) < 0.1, torch.randint(1, 4, shape, generator=gen), 0)
+    sign = torch.randint(0, 2, shape, generator=gen, dtype=torch.int32)
+    bits = (sign << 15) | (exp.to(torch.int32) << 7) | mant
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def _same_bytes_or_both_nan(a: torch.Tensor, b: torch.Tensor, label: str) -> None:
+    """Bytes equal, except that a NaN may differ in payload/sign from a NaN (bf16 images and bf16/fp32 outputs:
+    only MXFP8 codes carry a NaN sign contract, SPEC §2)."""
+    if a.dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(a.isnan(), b.isnan()), f"{label}: NaN positions differ"
+        a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
+    assert_bytes_equal(a, b, label)
