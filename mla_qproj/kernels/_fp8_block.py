@@ -17,7 +17,7 @@ from ..reference.fp8_block import BLOCK_SCALES, FLT_MAX, check_block_scale
 from ._common import amax, round_to_e4m3_grid, widen
 
 __all__ = ["fp8_block_scale", "quantize_with_scale", "nan_sign", "nan_max", "block_amax",
-           "pack_e4m3_words", "widen_lean", "check_float_tensor", "round_up", "BLOCK_SCALES",
+           "pack_e4m3_words", "runs_of", "widen_lean", "check_float_tensor", "round_up", "BLOCK_SCALES",
            "check_block_scale", "T_PAD", "FLOAT_DTYPES"]
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
@@ -36,10 +36,10 @@ def fp8_block_scale(amax, POW2: tl.constexpr):
     else fp32(448 / amax) (round to nearest even), FLT_MAX where that overflows; POW2 then clears its mantissa bits.
     scale_inv = fp32(1 / scale) (exact for POW2).
 
-    POW2 from the exponent alone (no division; scripts/fp8_block_pow2_check.py checks it against the SPEC form on
-    every fp32 amax): for amax = m * 2^e (1 <= m < 2, e = biased exponent - 127), 448 / amax = (1.75 / m) * 2^(8 - e)
-    and 1.75 / m lies in [1, 1.75] for m <= 1.75 and in (0.875, 1) above, never rounding up to the next power of
-    two: scale = 2^k with
+    POW2 from the exponent alone (no division; checked against the SPEC form on all 2^31 non-negative fp32 amaxes,
+    no mismatch: the check's commit is in BENCHMARKS.md): for amax = m * 2^e (1 <= m < 2, e = biased exponent -
+    127), 448 / amax = (1.75 / m) * 2^(8 - e) and 1.75 / m lies in [1, 1.75] for m <= 1.75 and in (0.875, 1) above,
+    never rounding up to the next power of two: scale = 2^k with
     k = 135 - biased_exp - (mantissa bits > 0x600000); k >= 128 is exactly the overflow (amax <= 7 * 2^-122, fp32
     subnormals included), whose FLT_MAX clears to 2^127. scale_inv = 2^-k (the subnormal 2^-127 for k = 127).
     In bits (few instructions: the kernels compute one scale per row and column they hold): adding 0x1FFFFF carries
@@ -127,6 +127,14 @@ def _code_bits(y):
     """EMULATED element code (int32 0..255) of y = x * scale: the E4M3 grid value cast exactly, NaN -> 0x7F."""
     code = round_to_e4m3_grid(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     return tl.where(y == y, code, 0x7F)
+
+
+@triton.jit
+def runs_of(c0, W: tl.constexpr, C: tl.constexpr):
+    """c0 + [0, W) as offsets known contiguous in runs of C (not W): caps Triton's axis information so that tiles
+    loaded through these offsets get the layout of the word-packed stores (no conversions between them)."""
+    o = tl.arange(0, W)
+    return c0 + (o // C) * C + o % C
 
 
 @triton.jit

@@ -22,20 +22,10 @@ import triton.language as tl
 
 from .._config import interpreter_enabled
 from ..reference.fp8_block import FP8_BLOCK
+from . import _fp8_block, _op
 from ._common import amax, cdiv
-from ._fp8_block import (
-    T_PAD,
-    check_block_scale,
-    check_float_tensor,
-    fp8_block_scale,
-    pack_e4m3_words,
-    quantize_with_scale,
-    round_up,
-    widen,
-    widen_lean,
-)
+from ._fp8_block import fp8_block_scale, pack_e4m3_words, quantize_with_scale, runs_of, widen, widen_lean
 from .rmsnorm_quant import _rsigma_kernel
-from .rope_fp8_block import _cols
 
 
 @triton.jit
@@ -90,14 +80,14 @@ def _rmsnorm_fp8_block_packed_kernel(
     """`_rmsnorm_fp8_block_kernel`'s bytes from [TR, TJ, BLOCK_K] tiles (token = TR-index * TJ + TJ-index): every
     thread holds TJ consecutive tokens of 8 consecutive columns, so the codes are packed into 32-bit words in
     registers (4 columns of a row; 4 tokens of a column: a word of the transposed [K, T_pad] layout) and stored
-    as words (see kernels/rope_fp8_block.py, the packed kernel, for the layout argument)."""
+    as words, with no byte shuffles; the 128x1 amax reduces each thread's TJ registers before the cross-thread step."""
     TR: tl.constexpr = 128 // TJ
     i_t = tl.program_id(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64)
     i_k = tl.program_id(1 if TOKENS_ON_AXIS0 else 0).to(tl.int64)
     o_r = tl.arange(0, TR)
     o_t = i_t * 128 + o_r[:, None] * TJ + tl.arange(0, TJ)[None, :]  # [TR, TJ]
     m_t = o_t < T
-    o_k = i_k * BLOCK_K + _cols(0, BLOCK_K, 8)  # K % BLOCK_K == 0: no column mask
+    o_k = i_k * BLOCK_K + runs_of(0, BLOCK_K, 8)  # K % BLOCK_K == 0: no column mask
     b_rs = tl.load(rsigma_ptr + o_t, mask=m_t, other=1.0)  # [TR, TJ]
     # rows past T load as NaN: ignored by the 128x1 amax, never stored
     b_x = widen_lean(tl.load(x_ptr + o_t[:, :, None] * stride_x + o_k[None, None, :], mask=m_t[:, :, None],
@@ -111,7 +101,7 @@ def _rmsnorm_fp8_block_packed_kernel(
     b_x4 = tl.reshape(b_xn, (TR, TJ, NB, 128))
     b_scale, b_sinv = fp8_block_scale(amax(b_x4, 3, EMULATED), POW2)  # [TR, TJ, NB]
     b_rw = pack_e4m3_words(tl.reshape(b_x4 * b_scale[:, :, :, None], (TR, TJ, BLOCK_K)), EMULATED)  # [.., BK/4]
-    o_kw = i_k * (BLOCK_K // 4) + _cols(0, BLOCK_K // 4, 2)
+    o_kw = i_k * (BLOCK_K // 4) + runs_of(0, BLOCK_K // 4, 2)
     tl.store(row_w_ptr + o_t[:, :, None] * (K // 4) + o_kw[None, None, :], b_rw, mask=m_t[:, :, None])
     o_b = i_k * NB + tl.arange(0, NB)
     tl.store(row_sinv_ptr + o_b[None, None, :] * T + o_t[:, :, None], b_sinv, mask=m_t[:, :, None])  # [K/128, T]
@@ -154,9 +144,9 @@ def default_config(T: int, K: int, device: torch.device, columnwise: bool = True
     """[128 tokens, 128 columns] tiles with 4 warps; with the columnwise form the packed kernel (sm_90 offline,
     K = 1536: 0.49 warp-instructions per element, 211 registers, no spills, against 0.66 / 0.76 for the
     byte-transposing kernel with 4 / 8 warps), without it the byte-transposing kernel, which then transposes nothing
-    (0.29 against 0.32 packed, 0.31 with 8 warps); scripts/fp8_block_probe.py --sass. Under the interpreter the
+    (0.29 against 0.32 packed, 0.31 with 8 warps): SASS statistics (tools/compile_sm90.py). Under the interpreter the
     rsigma kernel takes 64 tokens per program: fewer (slow) program launches, and the interpreter sums each row alike
-    whatever the rows per program (tests/test_fp8_block_kernels.py compares the bits with rmsnorm_quant's)."""
+    whatever the rows per program (tests/ops/test_rmsnorm_fp8_block.py compares the bits with rmsnorm_quant's)."""
     cfg = RMSNormFp8BlockConfig(num_warps=4, packed=bool(columnwise))
     if interpreter_enabled() or device.type != "cuda":
         cfg = dataclasses.replace(cfg, rs_rows=64)
@@ -169,15 +159,15 @@ def rmsnorm_fp8_block_outputs(x2d: torch.Tensor, columnwise: bool) -> tuple[torc
     and the fake."""
     T, K = x2d.shape
     e = x2d.new_empty
-    t_pad = round_up(T, T_PAD) if columnwise else 0
+    t_pad = _fp8_block.round_up(T, _fp8_block.T_PAD) if columnwise else 0
     return (e((T,), dtype=torch.float32), e((T, K), dtype=torch.float8_e4m3fn),
             e((K // FP8_BLOCK, T), dtype=torch.float32), e((K, t_pad), dtype=torch.float8_e4m3fn),
             e((cdiv(T, FP8_BLOCK) if columnwise else 0, K), dtype=torch.float32))
 
 
 def _check(x2d, norm_weight, eps):
-    check_float_tensor("x2d", x2d)
-    check_float_tensor("norm_weight", norm_weight)
+    _fp8_block.check_float_tensor("x2d", x2d)
+    _fp8_block.check_float_tensor("norm_weight", norm_weight)
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D [T, K], got shape {tuple(x2d.shape)}")
     T, K = x2d.shape
@@ -199,7 +189,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     """x2d [T, K] (K % 128 == 0, unit inner stride, any row stride; fp32 / bf16 / fp16) -> the five tensors of
     `rmsnorm_fp8_block_outputs`. columnwise=False (inference) skips the 128x1 form."""
     _check(x2d, norm_weight, eps)
-    check_block_scale(block_scale)
+    _fp8_block.check_block_scale(block_scale)
     outs = rmsnorm_fp8_block_outputs(x2d, columnwise)
     rsigma, rd, rs, cd, cs = outs
     T, K = x2d.shape
@@ -219,11 +209,11 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
                          f"block_k {cfg.block_k} with {cfg.num_warps} warps gives {tj}")
     _rsigma_kernel[(cdiv(T, cfg.rs_rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
                                             ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k,
-                                            EMULATED=interpreter_enabled() or x2d.device.type != "cuda",
+                                            EMULATED=_op.emulated(x2d.device),
                                             num_warps=cfg.rs_warps)
     n_t, n_k = cdiv(T, FP8_BLOCK), K // cfg.block_k
     tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
-    emulated = interpreter_enabled() or x2d.device.type != "cuda"
+    emulated = _op.emulated(x2d.device)
     if cfg.packed:
         # codes as int32 words: K % 128 == 0 and T_pad % 16 == 0
         _rmsnorm_fp8_block_packed_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
@@ -243,7 +233,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
         col_data_ptr=(cd if columnwise else rd).view(torch.uint8), col_sinv_ptr=cs if columnwise else rs,
         T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, ZERO_CENTERED=bool(zero_centered_gamma),
         POW2=block_scale == "pow2", COLUMNWISE=bool(columnwise), TOKENS_ON_AXIS0=tokens_on_axis0,
-        EMULATED=interpreter_enabled() or x2d.device.type != "cuda", num_warps=cfg.num_warps,
+        EMULATED=_op.emulated(x2d.device), num_warps=cfg.num_warps,
     )
     return outs
 

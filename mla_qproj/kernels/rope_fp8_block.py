@@ -14,35 +14,22 @@ Each program owns a [128 tokens, 128 columns] tile, built as 128 / W runs of W c
   with its pairs split / joined in registers (no gathers);
 - gather runs (any geometry): every rope column loads its two sources through `rope_sources`, which never leaves
   [qk_head_dim, qk_head_dim + R) of its own head.
-The word-packed kernel (`_rope_fp8_block_packed_kernel`, the default where it fits) reads the same contiguous runs
-with per-program periods of lcm(D, 128) columns and stores both code layouts as 32-bit words. All give the same
-bytes.
+Both give the same bytes.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .._config import ROPE_STYLES, interpreter_enabled, validate_choice
+from .._config import ROPE_STYLES, validate_choice
 from ..reference.fp8_block import FP8_BLOCK
+from . import _fp8_block, _op
 from ._common import amax, cdiv, check_pair_tables, rope_sources
-from ._fp8_block import (
-    T_PAD,
-    check_block_scale,
-    check_float_tensor,
-    fp8_block_scale,
-    nan_max,
-    pack_e4m3_words,
-    quantize_with_scale,
-    round_up,
-    widen,
-    widen_lean,
-)
+from ._fp8_block import fp8_block_scale, nan_max, quantize_with_scale, widen
 
 
 @triton.jit
@@ -101,7 +88,7 @@ def _contiguous_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOP
     HALF: tl.constexpr = R // 2
     h = n0 // D
     p0 = n0 - h * D - NOPE
-    m = m_t[:, None] & (n0 < N)
+    m = tl.where(n0 < N, m_t, False)[:, None]  # a scalar & a tensor mask is not a bool mask in Triton 3.9's interpreter
     p_head = p_row + h * D + NOPE  # [128, 1]: this head's rope columns
     if (p0 >= 0) & (p0 < R):
         if STYLE == "neox":  # W | R/2: the run lies in one half; its partners are the other half's same run
@@ -190,146 +177,6 @@ def _rope_fp8_block_kernel(
         _store_col_blocks(b_3, o_t, i_t, T_pad, n0 + 3 * W, col_data_ptr, col_sinv_ptr, N, W, POW2, EMULATED)
 
 
-# ------------------------------------------------------------------------------------------ word-packed kernel
-# Same bytes as `_rope_fp8_block_kernel` with fewer instructions per element (the memory-bound kernel is issue-bound
-# otherwise). Each program covers 128 tokens x one period P = lcm(D, 128) of columns (BLOCKS = P / 128 1x128 blocks),
-# so the kind of every W-run (pass-through or rope, and which rope half) is known at compile time: straight-line code,
-# all loads of a block issued together. Tiles are 3-D [TR, TJ, W] with token = TR-index * TJ + TJ-index: every thread
-# holds TJ consecutive tokens of W / 8 consecutive columns (TJ = 32 / num_warps), which gives
-# - the 1x128 codes as 32-bit words of 4 consecutive columns, the 128x1 codes as 32-bit words of 4 consecutive tokens
-#   of one column (a word of the transposed [N, T_pad] layout): packed in registers, no byte shuffles;
-# - the 128x1 amax over TJ registers before the cross-thread step, the 1x128 amax over W / 8 registers per run.
-# `_cols` caps the axis information of column offsets at W / 8 contiguous elements, so that Triton gives the
-# pass-through, rope, cos / sin tiles of a block the same layout (no conversions between them).
-
-
-@triton.jit
-def _cols(c0, W: tl.constexpr, C: tl.constexpr):
-    """c0 + [0, W) as offsets known contiguous in runs of C (not W)."""
-    o = tl.arange(0, W)
-    return c0 + (o // C) * C + o % C
-
-
-@triton.jit
-def _packed_run(p_row, m, cos_ptr, sin_ptr, o_cs, n, POS: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
-                STYLE: tl.constexpr, W: tl.constexpr, EMULATED: tl.constexpr):
-    """g [TR, TJ, W] fp32 of output columns [n, n + W), which sit at POS in their head (compile time): all
-    pass-through or all rope (`unit_fits`). p_row / o_cs [TR, TJ, 1]: row starts; m [TR, TJ, 1]: loads to make."""
-    C: tl.constexpr = W // 8  # columns per thread of the output run
-    HALF: tl.constexpr = R // 2
-    P0: tl.constexpr = POS - NOPE
-    if (P0 >= 0) and (P0 < R):
-        p_head = p_row + (n - POS + NOPE)  # this head's rope columns
-        if STYLE == "neox":  # W | R/2: the run lies in one half, its partners are the other half's same run
-            PAIR0: tl.constexpr = P0 - HALF if P0 >= HALF else P0
-            PARTNER: tl.constexpr = P0 - HALF if P0 >= HALF else P0 + HALF
-            o_w = _cols(0, W, C)[None, None, :]
-            b_x1 = widen_lean(tl.load(p_head + P0 + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
-            b_x2 = widen_lean(tl.load(p_head + PARTNER + o_w, mask=m, other=0.0), EMULATED)  # [TR, TJ, W]
-            b_c = widen_lean(tl.load(cos_ptr + o_cs + PAIR0 + o_w, mask=m, other=1.0), EMULATED)  # [TR, TJ, W]
-            b_s = widen_lean(tl.load(sin_ptr + o_cs + PAIR0 + o_w, mask=m, other=0.0), EMULATED)
-            if P0 >= HALF:  # b c - a s; (-1.0 * a): Triton's unary minus is 0 - a, which loses the sign of zero
-                b_g = b_x1 * b_c + (-1.0 * b_x2) * b_s
-            else:  # a c + b s
-                b_g = b_x1 * b_c + b_x2 * b_s
-        else:
-            I0: tl.constexpr = P0 // 2  # the run's first pair
-            o_h = _cols(0, W // 2, C // 2)[None, None, :]
-            if STYLE == "deepseek":
-                b_x1 = widen_lean(tl.load(p_head + I0 + o_h, mask=m, other=0.0), EMULATED)  # [TR, TJ, W/2]
-                b_x2 = widen_lean(tl.load(p_head + HALF + I0 + o_h, mask=m, other=0.0), EMULATED)
-            else:
-                tl.static_assert(STYLE == "gptj")
-                b_x = widen_lean(tl.load(p_head + P0 + _cols(0, W, C)[None, None, :], mask=m, other=0.0),
-                                    EMULATED)  # [TR, TJ, W]
-                b_x1, b_x2 = tl.split(tl.reshape(b_x, [b_x.shape[0], b_x.shape[1], W // 2, 2]))
-            b_c = widen_lean(tl.load(cos_ptr + o_cs + I0 + o_h, mask=m, other=1.0), EMULATED)  # [TR, TJ, W/2]
-            b_s = widen_lean(tl.load(sin_ptr + o_cs + I0 + o_h, mask=m, other=0.0), EMULATED)
-            b_g = tl.reshape(tl.join(b_x1 * b_c + b_x2 * b_s, b_x2 * b_c - b_x1 * b_s),
-                             [b_x1.shape[0], b_x1.shape[1], W])
-    else:
-        b_g = widen_lean(tl.load(p_row + n + _cols(0, W, C)[None, None, :], mask=m, other=0.0), EMULATED)
-    return b_g
-
-
-@triton.jit
-def _packed_store(b_g, b_scale, o_t, i_t, n, T_pad, row_w_ptr, col_w_ptr, col_sinv_ptr, m_t, m_n,
-                  N: tl.constexpr, W: tl.constexpr, TJ: tl.constexpr, POW2: tl.constexpr, EMULATED: tl.constexpr):
-    """Run [n, n + W) of the block: 1x128 codes (b_scale [TR, TJ]: the rows' block scales) as words of 4 columns
-    into row_w [T, N/4]; the run's W 128x1 blocks (rows past T hold 0): scale_inv [W] and codes as words of 4 tokens
-    into col_w [N, T_pad/4] (zero codes in the padding rows)."""
-    TR: tl.constexpr = 128 // TJ
-    C: tl.constexpr = W // 8
-    b_rw = pack_e4m3_words(b_g * b_scale[:, :, None], EMULATED)  # [TR, TJ, W/4]
-    o_rw = _cols(n // 4, W // 4, C // 4)
-    tl.store(row_w_ptr + o_t[:, :, None] * (N // 4) + o_rw[None, None, :], b_rw, mask=m_t[:, :, None] & m_n)
-    o_c = n + _cols(0, W, C).to(tl.int64)
-    b_cscale, b_csinv = fp8_block_scale(amax(amax(b_g, 1, EMULATED), 0, EMULATED),
-                                        POW2)  # [W]
-    b_cw = pack_e4m3_words(tl.permute(b_g * b_cscale[None, None, :], (0, 2, 1)), EMULATED)  # [TR, W, TJ/4]
-    o_r = tl.arange(0, TR)
-    o_q = tl.arange(0, TJ // 4)
-    o_tw = (i_t * 128 + o_r * TJ) // 4  # [TR]: the word of each thread-row's first token
-    p_cw = col_w_ptr + o_c[None, :, None] * (T_pad // 4) + o_tw[:, None, None] + o_q[None, None, :]
-    tl.store(p_cw, b_cw, mask=((o_tw * 4 < T_pad)[:, None, None]) & m_n)
-    tl.store(col_sinv_ptr + i_t * N + o_c, b_csinv, mask=m_n)
-
-
-@triton.jit
-def _rope_fp8_block_packed_kernel(
-    dq_ptr, stride_dq, cos_ptr, sin_ptr, stride_cs,
-    row_w_ptr, row_sinv_ptr, col_w_ptr, col_sinv_ptr,
-    T, T_pad,
-    H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
-    W: tl.constexpr, TJ: tl.constexpr, BLOCKS: tl.constexpr, POW2: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr,
-    EMULATED: tl.constexpr,
-):
-    """Program (128 tokens, one period of BLOCKS 1x128 blocks); per block 128 / W runs (2 or 4) kept in registers:
-    the 1x128 amax over the runs, then each run's stores (`_packed_store`). Rows / columns outside the tensor load as
-    0 (see `_rope_fp8_block_kernel`)."""
-    tl.static_assert((W == 64) | (W == 32))
-    TR: tl.constexpr = 128 // TJ
-    N: tl.constexpr = H * D
-    P: tl.constexpr = BLOCKS * 128
-    PARTIAL: tl.constexpr = N % P != 0  # the last period is cut at N (between W-runs: W | D)
-    i_t = tl.program_id(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64)
-    i_p = tl.program_id(1 if TOKENS_ON_AXIS0 else 0)
-    o_t = i_t * 128 + tl.arange(0, TR)[:, None] * TJ + tl.arange(0, TJ)[None, :]  # [TR, TJ]
-    m_t = o_t < T
-    p_row = dq_ptr + o_t[:, :, None] * stride_dq  # [TR, TJ, 1]
-    o_cs = o_t[:, :, None] * stride_cs
-    for b in tl.static_range(BLOCKS):
-        n0 = i_p * P + b * 128
-        m0 = (n0 < N) | (not PARTIAL)
-        m1 = (n0 + W < N) | (not PARTIAL)
-        b_0 = _packed_run(p_row, m_t[:, :, None] & m0, cos_ptr, sin_ptr, o_cs, n0, (b * 128) % D, NOPE, R, STYLE, W,
-                          EMULATED)
-        b_1 = _packed_run(p_row, m_t[:, :, None] & m1, cos_ptr, sin_ptr, o_cs, n0 + W, (b * 128 + W) % D, NOPE, R,
-                          STYLE, W, EMULATED)
-        b_amax = nan_max(amax(b_0, 2, EMULATED), amax(b_1, 2, EMULATED), EMULATED)
-        if W == 32:
-            m2 = (n0 + 2 * W < N) | (not PARTIAL)
-            m3 = (n0 + 3 * W < N) | (not PARTIAL)
-            b_2 = _packed_run(p_row, m_t[:, :, None] & m2, cos_ptr, sin_ptr, o_cs, n0 + 2 * W, (b * 128 + 2 * W) % D,
-                              NOPE, R, STYLE, W, EMULATED)
-            b_3 = _packed_run(p_row, m_t[:, :, None] & m3, cos_ptr, sin_ptr, o_cs, n0 + 3 * W, (b * 128 + 3 * W) % D,
-                              NOPE, R, STYLE, W, EMULATED)
-            b_amax = nan_max(b_amax, nan_max(amax(b_2, 2, EMULATED),
-                                             amax(b_3, 2, EMULATED), EMULATED), EMULATED)
-        b_scale, b_sinv = fp8_block_scale(b_amax, POW2)  # [TR, TJ]: one 1x128 block per row
-        i_n = (n0 // 128).to(tl.int64)
-        tl.store(row_sinv_ptr + i_n * T + o_t, b_sinv, mask=m_t & m0)  # M-major [ceil(N/128), T]
-        _packed_store(b_0, b_scale, o_t, i_t, n0, T_pad, row_w_ptr, col_w_ptr, col_sinv_ptr, m_t, m0, N, W, TJ,
-                      POW2, EMULATED)
-        _packed_store(b_1, b_scale, o_t, i_t, n0 + W, T_pad, row_w_ptr, col_w_ptr, col_sinv_ptr, m_t, m1, N, W, TJ,
-                      POW2, EMULATED)
-        if W == 32:
-            _packed_store(b_2, b_scale, o_t, i_t, n0 + 2 * W, T_pad, row_w_ptr, col_w_ptr, col_sinv_ptr, m_t, m2, N,
-                          W, TJ, POW2, EMULATED)
-            _packed_store(b_3, b_scale, o_t, i_t, n0 + 3 * W, T_pad, row_w_ptr, col_w_ptr, col_sinv_ptr, m_t, m3, N,
-                          W, TJ, POW2, EMULATED)
-
-
 def unit_fits(w: int, qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -> bool:
     """Run width w (64 or 32) of the contiguous-run kernel: it must divide qk_head_dim, the rope run (R for deepseek /
     gptj, each half R/2 for neox) and head_dim (then the trailing pass-through too)."""
@@ -343,38 +190,20 @@ def fast_unit(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -
     return next((w for w in (64, 32) if unit_fits(w, qk_head_dim, rope_dim, head_dim, rope_style)), 0)
 
 
-MAX_PERIOD_BLOCKS = 4  # the packed kernel unrolls lcm(D, 128) / 128 blocks per program: at most this many
-
-
-def period_blocks(head_dim: int) -> int:
-    """1x128 blocks in one period lcm(head_dim, 128) of columns (DeepSeek-V3's 192: 3)."""
-    return head_dim * 128 // math.gcd(head_dim, 128) // 128
-
-
 @dataclass(frozen=True)
 class RopeFp8BlockConfig:
     """Launch parameters: unit = the run width W (64 or 32); gather = runs gather their sources per column (any
-    geometry) instead of reading contiguous runs (needs `unit_fits`); num_warps; packed = the word-packed kernel
-    (`_rope_fp8_block_packed_kernel`: contiguous runs, num_warps 4 or 8, at most MAX_PERIOD_BLOCKS blocks per period;
-    `packed_fits`)."""
+    geometry) instead of reading contiguous runs (needs `unit_fits`); num_warps."""
 
     unit: int = 32
     gather: bool = True
     num_warps: int = 8
-    packed: bool = False
-
-
-def packed_fits(cfg: RopeFp8BlockConfig, qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -> bool:
-    return (cfg.packed and not cfg.gather and cfg.num_warps in (4, 8) and period_blocks(head_dim) <= MAX_PERIOD_BLOCKS
-            and unit_fits(cfg.unit, qk_head_dim, rope_dim, head_dim, rope_style))
 
 
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
                    device: torch.device) -> RopeFp8BlockConfig:
     """Contiguous runs (the widest that fits) with 4 warps; else 32-column gather runs with 16 warps (sm_90,
-    offline: 8 warps spill there, 16 do not). The word-packed kernel (`packed=True`, faster on the H200) is not the
-    default: compiled, it wrote non-zero codes into the zero padding of the transposed 128x1 form at T = 1 (the
-    interpreter's bytes are right), which the weight gradient's GEMM would add."""
+    offline: 8 warps spill there, 16 do not)."""
     w = fast_unit(qk_head_dim, rope_dim, head_dim, rope_style)
     if not w:
         return RopeFp8BlockConfig(unit=32, gather=True, num_warps=16)
@@ -388,11 +217,11 @@ def rope_fp8_block_outputs(dq2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     e = dq2d.new_empty
     f8 = torch.float8_e4m3fn
     return (e((T, N), dtype=f8), e((cdiv(N, FP8_BLOCK), T), dtype=torch.float32),
-            e((N, round_up(T, T_PAD)), dtype=f8), e((cdiv(T, FP8_BLOCK), N), dtype=torch.float32))
+            e((N, _fp8_block.round_up(T, _fp8_block.T_PAD)), dtype=f8), e((cdiv(T, FP8_BLOCK), N), dtype=torch.float32))
 
 
 def _check(dq2d, cos_h, sin_h, num_heads, head_dim, qk_head_dim, rope_dim, rope_style):
-    check_float_tensor("dq2d", dq2d)
+    _fp8_block.check_float_tensor("dq2d", dq2d)
     for name, v in (("num_heads", num_heads), ("head_dim", head_dim), ("rope_dim", rope_dim)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -421,41 +250,21 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
     """dq2d [T, num_heads * head_dim] (fp32 / bf16 / fp16, unit inner stride, any row stride), cos_h / sin_h [T, R/2]
     pair tables (`check_pair_tables`) -> the four tensors of `rope_fp8_block_outputs`."""
     _check(dq2d, cos_h, sin_h, num_heads, head_dim, qk_head_dim, rope_dim, rope_style)
-    check_block_scale(block_scale)
+    _fp8_block.check_block_scale(block_scale)
     outs = rope_fp8_block_outputs(dq2d)
     rd, rs, cd, cs = outs
     T, N = dq2d.shape
     if T == 0:
         return outs
     cfg = config or default_config(qk_head_dim, rope_dim, head_dim, rope_style, dq2d.device)
-    if config is None and cfg.packed and (dq2d.stride(0) % 16 or cos_h.stride(0) % 16):
-        # row strides Triton cannot prove 16-aligned: per-element loads, which spill in the packed kernel's
-        # registers (sm_90 offline: ~2 KB per thread); the byte-transposing kernel's smaller tiles instead
-        cfg = RopeFp8BlockConfig(unit=cfg.unit, gather=False)
     if cfg.unit not in (64, 32) or not (cfg.gather or unit_fits(cfg.unit, qk_head_dim, rope_dim, head_dim,
                                                                   rope_style)):
         raise ValueError(f"config {cfg} does not fit the geometry (qk_head_dim {qk_head_dim}, rope_dim {rope_dim}, "
                          f"head_dim {head_dim}, {rope_style}): unit must be 64 or 32, and contiguous runs "
                          f"(gather=False) need `unit_fits`")
-    if cfg.packed and not packed_fits(cfg, qk_head_dim, rope_dim, head_dim, rope_style):
-        raise ValueError(f"config {cfg} does not fit the packed kernel: it needs contiguous runs (gather=False), "
-                         f"num_warps 4 or 8 and lcm(head_dim, 128) / 128 = {period_blocks(head_dim)} <= "
-                         f"{MAX_PERIOD_BLOCKS}")
     n_t, n_n = cdiv(T, FP8_BLOCK), cdiv(N, FP8_BLOCK)
     tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
-    emulated = interpreter_enabled() or dq2d.device.type != "cuda"
-    if cfg.packed:
-        blocks = period_blocks(head_dim)
-        n_p = cdiv(N, blocks * FP8_BLOCK)
-        # codes as int32 words: N % 4 == 0 (unit_fits: 32 | head_dim) and T_pad % 16 == 0
-        _rope_fp8_block_packed_kernel[(n_t, n_p) if tokens_on_axis0 else (n_p, n_t)](
-            dq_ptr=dq2d, stride_dq=dq2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
-            row_w_ptr=rd.view(torch.int32), row_sinv_ptr=rs, col_w_ptr=cd.view(torch.int32), col_sinv_ptr=cs,
-            T=T, T_pad=cd.shape[1], H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style,
-            W=cfg.unit, TJ=32 // cfg.num_warps, BLOCKS=blocks, POW2=block_scale == "pow2",
-            TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False,
-        )
-        return outs
+    emulated = _op.emulated(dq2d.device)
     grid = (n_t, n_n) if tokens_on_axis0 else (n_n, n_t)
     _rope_fp8_block_kernel[grid](
         dq_ptr=dq2d, stride_dq=dq2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),

@@ -117,11 +117,11 @@ def to_e4m3(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def encode_e4m3(y: torch.Tensor, x: torch.Tensor, has_nan: bool = True) -> torch.Tensor:
     """fp32 y = x * r -> E4M3 codes: round to nearest even onto the grid, saturate to ±448, NaN as 0x7F with x's sign,
-    sign of zero kept. torch's fp32 -> float8_e4m3fn cast rounds to nearest even (tests/test_mxfp8_quant.py checks it
-    against `round_to_e4m3_grid` bit for bit) but its handling of values past the grid differs between CPU and CUDA,
-    so y is clamped first (equivalent: rounding is monotonic and ±448 is the grid's end); the NaN sign comes from x
-    because CUDA's multiply already canonicalizes NaN. One pass instead of round_to_e4m3_grid's dozen, which is what
-    makes the CPU reference fast enough at the DeepSeek-V3 weight size."""
+    sign of zero kept. torch's fp32 -> float8_e4m3fn cast rounds to nearest even (tests/ops/test_mxfp8_quant.py
+    checks it against `round_to_e4m3_grid` bit for bit) but its handling of values past the grid differs between CPU
+    and CUDA, so y is clamped first (equivalent: rounding is monotonic and ±448 is the grid's end); the NaN sign comes
+    from x because CUDA's multiply already canonicalizes NaN. One pass instead of round_to_e4m3_grid's dozen, which is
+    what makes the CPU reference fast enough at the DeepSeek-V3 weight size."""
     c = y.clamp(-E4M3_MAX, E4M3_MAX)
     return to_e4m3(c, x) if has_nan else c.to(torch.float8_e4m3fn)
 

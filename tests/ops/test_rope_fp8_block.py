@@ -1,6 +1,6 @@
 """Inverse RoPE + the gradient's two block-scaled FP8 quantizations (kernels/rope_fp8_block.py, SPEC §5) vs
-reference/fp8_block.py `grad_operands_fp8_block`, byte for byte in the kernel's layouts: the gather, contiguous-run
-and word-packed kernels over geometries, styles, dtypes, strides and table layouts. CPU lane: Triton's interpreter at
+reference/fp8_block.py `grad_operands_fp8_block`, byte for byte in the kernel's layouts: the gather and
+contiguous-run kernels over geometries, styles, dtypes, strides and table layouts. CPU lane: Triton's interpreter at
 small sizes; `gpu` tests at the DeepSeek-V3 shape."""
 
 from __future__ import annotations
@@ -75,39 +75,14 @@ def test_rope_fp8_block(geom, style):
     dq, c, s = rope_inputs(100, H, D, R, torch.bfloat16, 7)
     block_scale = F.BLOCK_SCALES[STYLES.index(style) % 2]
     configs = {default_rope_config(nope, R, D, style, DEVICE), RopeFp8BlockConfig(32, True, 16)}
-    if fast_unit(nope, R, D, style):  # both contiguous-run kernels: byte-transposing and word-packed
-        configs |= {RopeFp8BlockConfig(fast_unit(nope, R, D, style), False, 8, packed) for packed in (False, True)}
+    if fast_unit(nope, R, D, style):  # contiguous runs with 8 warps as well as the default's 4
+        configs.add(RopeFp8BlockConfig(fast_unit(nope, R, D, style), False, 8))
     for cfg in configs:
         check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style, block_scale, cfg)
-    if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style (not the packed kernel, below)
+    if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style
         assert fast_unit(nope, R, D, style) == (32 if style == "neox" else 64)
-        assert not default_rope_config(nope, R, D, style, DEVICE).packed
-
-
-@pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="compiled, the word-packed kernel writes non-zero codes into the zero padding "
-                                       "of the transposed 128x1 form at T = 1 (H200, Triton 3.6); not the default")
-def test_rope_fp8_block_packed_single_token_gpu():
-    H, nope, R, D = 2, 128, 64, 192
-    dq, c, s = rope_inputs(1, H, D, R, torch.bfloat16, 0)
-    check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, "deepseek", "pow2",
-               RopeFp8BlockConfig(64, False, 4, True))
-
-
-@pytest.mark.parametrize("style", STYLES)
-def test_rope_fp8_block_packed_partial_period(style):
-    """The packed kernel's programs cover lcm(D, 128) columns: with 3 heads of 192 the second period stops at N
-    (inside a 1x128 block); both warp counts (4 and 8 tokens per thread), fp32 and fp16 dq with a row stride, bf16
-    pair tables; T crosses a 128x1 block and T_pad."""
-    H, nope, R, D = 3, 128, 64, 192
-    w = fast_unit(nope, R, D, style)
-    for nw, dtype, T in ((4, torch.float32, 131), (8, torch.float16, 37)):
-        dq, c, s = rope_inputs(T, H, D, R, dtype, 5, -12, 12)
-        buf = torch.zeros(T, H * D + 24, dtype=dtype)
-        buf[:, 8:8 + H * D] = dq
-        c, s = c.to(torch.bfloat16), s.to(torch.bfloat16)
-        check_rope(buf[:, 8:8 + H * D].to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style,
-                   F.BLOCK_SCALES[nw // 8], RopeFp8BlockConfig(w, False, nw, True))
+        assert default_rope_config(nope, R, D, style, DEVICE) == RopeFp8BlockConfig(fast_unit(nope, R, D, style),
+                                                                                     False, 4)
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
@@ -169,16 +144,6 @@ def test_rope_fp8_block_errors():
     for bad in (RopeFp8BlockConfig(32, False), RopeFp8BlockConfig(16, True)):  # 32 does not divide 16 / 48
         with pytest.raises(ValueError, match="config"):
             rope_fp8_block_bwd(dq, c, s, config=bad, **kw)
-    # the packed kernel: contiguous runs, 4 or 8 warps, at most 4 blocks per period lcm(D, 128)
-    dq, c, s = rope_inputs(3, 2, 192, 64, torch.bfloat16, 1)
-    kw = dict(num_heads=2, head_dim=192, qk_head_dim=128, rope_dim=64, rope_style="deepseek")
-    for bad in (RopeFp8BlockConfig(64, True, 8, True), RopeFp8BlockConfig(64, False, 16, True)):
-        with pytest.raises(ValueError, match="packed"):
-            rope_fp8_block_bwd(dq, c, s, config=bad, **kw)
-    dq, c, s = rope_inputs(3, 1, 160, 32, torch.bfloat16, 1)  # lcm(160, 128) = 640: 5 blocks per period
-    with pytest.raises(ValueError, match="packed"):
-        rope_fp8_block_bwd(dq, c, s, num_heads=1, head_dim=160, qk_head_dim=128, rope_dim=32, rope_style="gptj",
-                           config=RopeFp8BlockConfig(32, False, 4, True))
 
 
 def test_rope_op_registration():
@@ -194,9 +159,7 @@ def test_rope_fp8_block_gpu_v3(style, block_scale):
     H, nope, R, D = 128, 128, 64, 192
     dq, c, s = rope_inputs(4096 + 5, H, D, R, torch.bfloat16, 11)
     w = fast_unit(nope, R, D, style)
-    # compiled: the packed kernel's E4M3 conversion is inline PTX (not run by the interpreter lane)
-    for cfg in (None, RopeFp8BlockConfig(32, True, 16), RopeFp8BlockConfig(w, False, 8),
-                RopeFp8BlockConfig(w, False, 4, True), RopeFp8BlockConfig(w, False, 8, True)):
+    for cfg in (None, RopeFp8BlockConfig(32, True, 16), RopeFp8BlockConfig(w, False, 8)):
         check_rope(dq.cuda(), c.cuda(), s.cuda(), H, nope, R, D, style, block_scale, cfg)
     # a partial last period (H = 127) and fp32 dq
     dq, c, s = rope_inputs(300, 127, D, R, torch.float32, 12)
