@@ -6,10 +6,11 @@ epilogue does this on sm_90).
 Inverse (SPEC backward 1-2): dq [T, H*D] -> transpose rotation -> the exact bf16 images of the MXFP8 dgrad
 operand (rowwise) and wgrad operand (columnwise), or the bf16 / fp32 gradient.
 
-Two kernels, the same bytes (tests/test_kernels.py compares them on special values):
-- `_rope_quant_fast_kernel` (default where `fast_path_supported`): contiguous [32, 32] / [32, 64] tiles, pairs
-  split/joined in registers, hardware E4M3 / bf16 conversions on the GPU;
-- `_rope_quant_kernel` (any geometry): [32 tokens, 32 columns] tiles whose rope columns gather their partners through
+One kernel, `_rope_quant_kernel`, with two paths that give the same bytes (tests/ops/test_rope_quant.py compares
+them on special values):
+- fast (`RopeQuantConfig.FAST`, default where `fast_path_supported`; `_contiguous_tiles`): contiguous [32, 32] /
+  [32, 64] tiles, pairs split/joined in registers, hardware E4M3 / bf16 conversions on the GPU;
+- gather (any geometry): [32 tokens, 32 columns] tiles whose rope columns gather their partners through
   `rope_sources`, which never leaves [P, P + R) of the same head; columns >= D are masked.
 Both are bounded to their head. Kernel dims: H heads of D = q_head_dim columns, P = qk_head_dim pass-through
 columns first, then R = rope_dim rope columns. Custom op `mla_qproj::rope_quant`.
@@ -30,56 +31,13 @@ from ._common import cdiv, check_pair_tables, mx_image, mx_quantize, rope_source
 
 
 @triton.jit
-def _rope_quant_kernel(
-    y_ptr, stride_y, cos_ptr, sin_ptr, stride_cs,
-    out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
-    T,
-    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-    STYLE: tl.constexpr, INVERSE: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-):
-    """out[:, p] = in[:, src1] * c[pair] + sign * in[:, src2] * s[pair] on rope columns, in[:, p] elsewhere."""
-    i_t, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
-    HALF: tl.constexpr = R // 2
-    N: tl.constexpr = H * D
-    o_t = i_t * 32 + tl.arange(0, 32)
-    m_t = o_t < T
-    p_y = y_ptr + o_t[:, None] * stride_y + i_h * D
-    for j in tl.static_range(0, (D + 31) // 32):
-        o_d = j * 32 + tl.arange(0, 32)
-        m_d = o_d < D
-        m = m_t[:, None] & m_d[None, :]
-        # rows/cols outside load as NaN: ignored by every amax, never stored
-        b_o = widen(tl.load(p_y + o_d[None, :], mask=m, other=float("nan")), True)  # [32, 32]
-        if (j * 32 + 32 > P) and (j * 32 < P + R):  # compile-time: this tile overlaps the rope columns
-            p = o_d - P
-            is_rope = (p >= 0) & (p < R) & m_d
-            src1, src2, sign, pair = rope_sources(tl.where(is_rope, p, 0), HALF, STYLE, INVERSE)
-            m_r = m_t[:, None] & is_rope[None, :]
-            b_v1 = widen(tl.load(p_y + (P + src1)[None, :], mask=m_r, other=float("nan")), True)
-            b_v2 = widen(tl.load(p_y + (P + src2)[None, :], mask=m_r, other=0.0), True)
-            b_c = widen(tl.load(cos_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=1.0), True)
-            b_s = widen(tl.load(sin_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=0.0), True)
-            # (v1*c) + ((±v2)*s): bitwise the reference's a*c - b*s (launched with FMA contraction off)
-            b_o = tl.where(is_rope[None, :], b_v1 * b_c + (sign[None, :] * b_v2) * b_s, b_o)
-        o_out = o_t[:, None] * N + i_h * D + o_d[None, :]
-        if MODE == "mxfp8":
-            b_q, b_byte = mx_quantize(b_o, 1, SCALE_MODE, True, True)  # b_byte [32]: one block per row
-            tl.store(out_ptr + o_out, b_q, mask=m)
-            tl.store(row_scale_ptr + o_t * (N // 32) + i_h * (D // 32) + j, b_byte.to(tl.uint8), mask=m_t)
-            if COLUMNWISE:
-                b_cq, b_cbyte = mx_quantize(b_o, 0, SCALE_MODE, True, True)  # b_cbyte [32]: one block per column
-                tl.store(col_data_ptr + o_out, b_cq, mask=m)
-                tl.store(col_scale_ptr + i_t * N + i_h * D + o_d, b_cbyte.to(tl.uint8), mask=m_d)
-        elif MODE == "mxfp8_images":
-            tl.store(out_ptr + o_out, mx_image(b_o, 1, SCALE_MODE, True, True).to(tl.bfloat16), mask=m)
-            if COLUMNWISE:
-                tl.store(col_data_ptr + o_out, mx_image(b_o, 0, SCALE_MODE, True, True).to(tl.bfloat16), mask=m)
-        elif MODE == "bf16":
-            tl.store(out_ptr + o_out, to_bf16(b_o, True), mask=m)
-        else:
-            tl.static_assert(MODE == "fp32")
-            tl.store(out_ptr + o_out, b_o, mask=m)
+def _store_dense(p_out, b, m, MODE: tl.constexpr, EMULATED: tl.constexpr):
+    """The "bf16" (round-to-nearest-even, SPEC §2) or "fp32" output of an fp32 tile."""
+    if MODE == "bf16":
+        tl.store(p_out, to_bf16(b, EMULATED), mask=m)
+    else:
+        tl.static_assert(MODE == "fp32")
+        tl.store(p_out, b, mask=m)
 
 
 # ------------------------------------------------------------------------------------------ fast path
@@ -116,38 +74,24 @@ def _emit_tile(b_y, o_t, m_t, i_t, col0, out_ptr, row_scale_ptr, col_data_ptr, c
         if COLUMNWISE:
             b_cimg = mx_image(b_y, 0, SCALE_MODE, EMULATED, False)  # [32, W]
             tl.store(col_data_ptr + o_out, b_cimg.to(tl.bfloat16), mask=m)
-    elif MODE == "bf16":
-        tl.store(out_ptr + o_out, to_bf16(b_y, EMULATED), mask=m)
     else:
-        tl.static_assert(MODE == "fp32")
-        tl.store(out_ptr + o_out, b_y, mask=m)
+        _store_dense(out_ptr + o_out, b_y, m, MODE, EMULATED)
 
 
 @triton.jit
-def _rope_quant_fast_kernel(
-    y_ptr, stride_y, cos_ptr, sin_ptr, stride_cs,
-    out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
-    T,
-    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
-    STYLE: tl.constexpr, INVERSE: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
-    SCALE_MODE: tl.constexpr, PASS_W: tl.constexpr, EMULATED: tl.constexpr, HEAD_MAJOR: tl.constexpr,
-):
-    """One program per (32 tokens, head). Pairs (x1, x2) -> forward (x1 c - x2 s, x2 c + x1 s), inverse
-    (x1 c + x2 s, x2 c - x1 s), each product rounded before the sum (launched with FMA contraction off), the
-    reference's operation order. Interleaved layouts hold pair i at (2i, 2i + 1), halves at (i, R/2 + i):
-    deepseek forward reads interleaved and writes halves (its inverse the opposite), neox is halves both ways,
-    gptj interleaved both ways."""
-    # HEAD_MAJOR: program_id(0) walks the heads, so programs running side by side cover whole rows
-    i_t = tl.program_id(1 if HEAD_MAJOR else 0).to(tl.int64)
-    i_h = tl.program_id(0 if HEAD_MAJOR else 1).to(tl.int64)
+def _contiguous_tiles(p_y, o_t, m_t, i_t, i_h, cos_ptr, sin_ptr, stride_cs, out_ptr, row_scale_ptr, col_data_ptr,
+                      col_scale_ptr, N: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+                      STYLE: tl.constexpr, INVERSE: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
+                      SCALE_MODE: tl.constexpr, PASS_W: tl.constexpr, EMULATED: tl.constexpr):
+    """The fast path of one (32 tokens, head) program (p_y [32, 1]: the head's row starts). Pairs (x1, x2) ->
+    forward (x1 c - x2 s, x2 c + x1 s), inverse (x1 c + x2 s, x2 c - x1 s), each product rounded before the sum
+    (launched with FMA contraction off), the reference's operation order. Interleaved layouts hold pair i at
+    (2i, 2i + 1), halves at (i, R/2 + i): deepseek forward reads interleaved and writes halves (its inverse the
+    opposite), neox is halves both ways, gptj interleaved both ways."""
     HALF: tl.constexpr = R // 2
-    N: tl.constexpr = H * D
     IN_IL: tl.constexpr = (STYLE == "gptj") or (STYLE == "deepseek" and not INVERSE)
     OUT_IL: tl.constexpr = (STYLE == "gptj") or (STYLE == "deepseek" and INVERSE)
-    o_t = i_t * 32 + tl.arange(0, 32)
-    m_t = o_t < T
     o_32 = tl.arange(0, 32)
-    p_y = y_ptr + o_t[:, None] * stride_y + i_h * D  # [32, 1] row starts of this head
     # pass-through columns: [32, PASS_W] tiles; rows past T load as NaN (ignored by every amax, not stored)
     for j in tl.static_range(P // PASS_W):
         o_w = j * PASS_W + tl.arange(0, PASS_W)
@@ -188,6 +132,65 @@ def _rope_quant_fast_kernel(
                        col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED)
             _emit_tile(b_y2, o_t, m_t, i_t, i_h * D + P + HALF + c * 32, out_ptr, row_scale_ptr, col_data_ptr,
                        col_scale_ptr, 32, N, MODE, COLUMNWISE, SCALE_MODE, EMULATED)
+
+
+@triton.jit
+def _rope_quant_kernel(
+    y_ptr, stride_y, cos_ptr, sin_ptr, stride_cs,
+    out_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
+    T,
+    H: tl.constexpr, D: tl.constexpr, P: tl.constexpr, R: tl.constexpr,
+    STYLE: tl.constexpr, INVERSE: tl.constexpr, MODE: tl.constexpr, COLUMNWISE: tl.constexpr,
+    SCALE_MODE: tl.constexpr, FAST: tl.constexpr, PASS_W: tl.constexpr, EMULATED: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
+):
+    """One program per (32 tokens, head). FAST: `_contiguous_tiles`. Else [32, 32] tiles with explicit rounding
+    (EMULATED is the fast path's): out[:, p] = in[:, src1] * c[pair] + sign * in[:, src2] * s[pair] on rope columns,
+    in[:, p] elsewhere."""
+    # HEAD_MAJOR: program_id(0) walks the heads, so programs running side by side cover whole rows
+    i_t = tl.program_id(1 if HEAD_MAJOR else 0).to(tl.int64)
+    i_h = tl.program_id(0 if HEAD_MAJOR else 1).to(tl.int64)
+    HALF: tl.constexpr = R // 2
+    N: tl.constexpr = H * D
+    o_t = i_t * 32 + tl.arange(0, 32)
+    m_t = o_t < T
+    p_y = y_ptr + o_t[:, None] * stride_y + i_h * D  # [32, 1] row starts of this head
+    if FAST:
+        _contiguous_tiles(p_y, o_t, m_t, i_t, i_h, cos_ptr, sin_ptr, stride_cs, out_ptr, row_scale_ptr, col_data_ptr,
+                          col_scale_ptr, N, D, P, R, STYLE, INVERSE, MODE, COLUMNWISE, SCALE_MODE, PASS_W, EMULATED)
+    else:
+        for j in tl.static_range(0, (D + 31) // 32):
+            o_d = j * 32 + tl.arange(0, 32)
+            m_d = o_d < D
+            m = m_t[:, None] & m_d[None, :]
+            # rows/cols outside load as NaN: ignored by every amax, never stored
+            b_o = widen(tl.load(p_y + o_d[None, :], mask=m, other=float("nan")), True)  # [32, 32]
+            if (j * 32 + 32 > P) and (j * 32 < P + R):  # compile-time: this tile overlaps the rope columns
+                p = o_d - P
+                is_rope = (p >= 0) & (p < R) & m_d
+                src1, src2, sign, pair = rope_sources(tl.where(is_rope, p, 0), HALF, STYLE, INVERSE)
+                m_r = m_t[:, None] & is_rope[None, :]
+                b_v1 = widen(tl.load(p_y + (P + src1)[None, :], mask=m_r, other=float("nan")), True)
+                b_v2 = widen(tl.load(p_y + (P + src2)[None, :], mask=m_r, other=0.0), True)
+                b_c = widen(tl.load(cos_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=1.0), True)
+                b_s = widen(tl.load(sin_ptr + o_t[:, None] * stride_cs + pair[None, :], mask=m_r, other=0.0), True)
+                # (v1*c) + ((±v2)*s): bitwise the reference's a*c - b*s (launched with FMA contraction off)
+                b_o = tl.where(is_rope[None, :], b_v1 * b_c + (sign[None, :] * b_v2) * b_s, b_o)
+            o_out = o_t[:, None] * N + i_h * D + o_d[None, :]
+            if MODE == "mxfp8":
+                b_q, b_byte = mx_quantize(b_o, 1, SCALE_MODE, True, True)  # b_byte [32]: one block per row
+                tl.store(out_ptr + o_out, b_q, mask=m)
+                tl.store(row_scale_ptr + o_t * (N // 32) + i_h * (D // 32) + j, b_byte.to(tl.uint8), mask=m_t)
+                if COLUMNWISE:
+                    b_cq, b_cbyte = mx_quantize(b_o, 0, SCALE_MODE, True, True)  # b_cbyte [32]: one block per column
+                    tl.store(col_data_ptr + o_out, b_cq, mask=m)
+                    tl.store(col_scale_ptr + i_t * N + i_h * D + o_d, b_cbyte.to(tl.uint8), mask=m_d)
+            elif MODE == "mxfp8_images":
+                tl.store(out_ptr + o_out, mx_image(b_o, 1, SCALE_MODE, True, True).to(tl.bfloat16), mask=m)
+                if COLUMNWISE:
+                    tl.store(col_data_ptr + o_out, mx_image(b_o, 0, SCALE_MODE, True, True).to(tl.bfloat16), mask=m)
+            else:
+                _store_dense(out_ptr + o_out, b_o, m, MODE, True)
 
 
 def fast_path_supported(qk_head_dim: int, rope_dim: int, head_dim: int) -> bool:
@@ -300,12 +303,10 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
                 H=num_heads, D=head_dim, P=qk_head_dim, R=rope_dim, STYLE=rope_style, INVERSE=inverse,
                 MODE=mode, COLUMNWISE=columnwise, SCALE_MODE=scale_mode, num_warps=conf.num_warps,
                 enable_fp_fusion=False)  # products rounded before the sums: the reference's bits
-    if conf.FAST:
-        grid = (num_heads, cdiv(T, 32)) if conf.HEAD_MAJOR else (cdiv(T, 32), num_heads)
-        _rope_quant_fast_kernel[grid](PASS_W=conf.PASS_W, HEAD_MAJOR=conf.HEAD_MAJOR,
-                                      EMULATED=_op.emulated(y2d.device), **args)
-    else:
-        _rope_quant_kernel[(cdiv(T, 32), num_heads)](**args)
+    head_major = conf.FAST and conf.HEAD_MAJOR  # the gather path's grid is token-major
+    grid = (num_heads, cdiv(T, 32)) if head_major else (cdiv(T, 32), num_heads)
+    _rope_quant_kernel[grid](FAST=conf.FAST, PASS_W=conf.PASS_W, HEAD_MAJOR=head_major,
+                             EMULATED=_op.emulated(y2d.device), **args)
     return out, rs, cd, cs
 
 

@@ -59,26 +59,30 @@ def half_table(t: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return t if t.dtype in TABLE_DTYPES else t.float()
 
 
+def _rotate(y, c, s, qk_head_dim, rope_dim, split, join) -> torch.Tensor:
+    """Pairs (a, b) of y's rope columns, read with `split`, become (a c - b s, b c + a s), written with `join`."""
+    lo, hi = qk_head_dim, qk_head_dim + rope_dim
+    c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+    a, b = split(y[..., lo:hi])
+    return torch.cat([y[..., :lo], join(a * c - b * s, b * c + a * s), y[..., hi:]], dim=-1)
+
+
 def apply_rope(
     y: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, qk_head_dim: int, rope_dim: int, style: str
 ) -> torch.Tensor:
     """Forward RoPE on y [..., H, D] (fp32). cos_h/sin_h: [..., R/2] broadcast over heads (add the head dim)."""
-    lo, hi = qk_head_dim, qk_head_dim + rope_dim
-    c, s = cos_h.unsqueeze(-2), sin_h.unsqueeze(-2)
-    a, b = split_pairs(y[..., lo:hi], style)
-    rot = join_pairs(a * c - b * s, b * c + a * s, style)
-    return torch.cat([y[..., :lo], rot, y[..., hi:]], dim=-1)
+    return _rotate(y, cos_h, sin_h, qk_head_dim, rope_dim, lambda r: split_pairs(r, style),
+                   lambda a, b: join_pairs(a, b, style))
 
 
 def apply_rope_inverse(
     g: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, qk_head_dim: int, rope_dim: int, style: str
 ) -> torch.Tensor:
-    """Transpose of `apply_rope` (its backward): pass-through columns unchanged."""
-    lo, hi = qk_head_dim, qk_head_dim + rope_dim
-    c, s = cos_h.unsqueeze(-2), sin_h.unsqueeze(-2)
-    ga, gb = split_pairs_rotated(g[..., lo:hi], style)
-    rot = join_pairs_unrotated(ga * c + gb * s, gb * c - ga * s, style)
-    return torch.cat([g[..., :lo], rot, g[..., hi:]], dim=-1)
+    """Transpose of `apply_rope` (its backward): the rotation by -angle, read in the rotated layout and written in
+    the unrotated one, (ga c + gb s, gb c - ga s); pass-through columns unchanged. Negating sin is exact, so these
+    are the same fp32 values as writing the signs out."""
+    return _rotate(g, cos_h, -sin_h, qk_head_dim, rope_dim, lambda r: split_pairs_rotated(r, style),
+                   lambda a, b: join_pairs_unrotated(a, b, style))
 
 
 # --------------------------------------------------------------------------------------------- tables
