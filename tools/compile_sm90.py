@@ -1,6 +1,8 @@
 """Compile every project kernel for sm_90 on a machine without a GPU, through the launchers themselves, and report
-per kernel: compiled or the error, registers, spill stack, shared memory, and the wgmma (HGMMA) / TMA (UTMALDG,
-UTMASTG) instruction counts of its SASS. Run it under each Triton the project supports to compare versions:
+per kernel: compiled or the error, registers, spill stack, shared memory, and SASS instruction counts (wgmma:
+HGMMA / QGMMA, TMA: UTMALDG / UTMASTG, global / shared / local memory, barriers, shuffles, the conversions and
+the amax / scale arithmetic). Spills, scalar gathers and instructions per element show before a kernel ever runs.
+Run it under each Triton the project supports to compare versions:
 
     python tools/compile_sm90.py                 # DeepSeek-V3 shape, the launchers' GPU defaults
     python tools/compile_sm90.py --sass DIR      # also write each kernel's SASS / PTX to DIR (for diffs)
@@ -36,7 +38,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 TARGET = GPUTarget("cuda", 90, 32)
 CUDA = torch.device("cuda", 0)  # only passed to the launch-knob choosers, never used for an allocation
-KEEP = ("HGMMA", "UTMALDG", "UTMASTG", "LDG", "STG", "LDL", "STL")
+KEEP = ("HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "LDG", "STG", "LDS", "STS", "LDL", "STL", "BAR", "SHFL", "F2FP",
+        "FMUL", "FMNMX")
 
 
 class _OfflineDriver:
@@ -103,9 +106,17 @@ def sass_stats(k) -> dict:
 
 def _cases(T: int):
     """(name, thunk) per launch at the DeepSeek-V3 shape (K = 1536, 128 heads of 128 + 64), GPU default knobs;
-    the GEMM also with the other RoPE styles (neox bf16 out; gptj MXFP8 out, whose MX blocks pair two halves)."""
+    the GEMM also with the other RoPE styles (neox bf16 out; gptj MXFP8 out, whose MX blocks pair two halves),
+    then the fp8_block recipe's kernels."""
     from mla_qproj._config import QProjConfig
-    from mla_qproj.kernels import qproj_gemm, rmsnorm_quant, rope_quant
+    from mla_qproj.kernels import (
+        fp8_block_quant,
+        qproj_gemm,
+        rmsnorm_fp8_block,
+        rmsnorm_quant,
+        rope_fp8_block,
+        rope_quant,
+    )
     from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16, mxfp8_quant_2d
     from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd
 
@@ -155,6 +166,37 @@ def _cases(T: int):
     yield f"qproj_gemm T={T} (bf16, TMA store)", gemm(T, "bf16")
     yield "qproj_gemm T=4096 (neox bf16)", gemm(4096, "bf16", style="neox")
     yield "qproj_gemm T=4096 (gptj mxfp8)", gemm(4096, style="gptj")
+
+    def gemm_fp8(t, output_format="bf16"):
+        cfg = QProjConfig.make(K, H, P, R, output_format=output_format, precision="fp8_block")
+        src = qproj_gemm.fused_row_source(cfg, "fp8_block")
+        w, w_sinv = qproj_gemm.prepare_fused_weight_fp8(torch.zeros(N, K, dtype=torch.float8_e4m3fn),
+                                                         torch.ones(N // 128, K // 128), cfg, src)
+        a = e(t, K, dtype=torch.float8_e4m3fn)
+        return lambda: qproj_gemm.qproj_gemm_fwd(a, w, cos[:t], sin[:t], cfg, a_scale_inv=e(K // 128, t),
+                                                 w_scale_inv=w_sinv, config=qproj_gemm.default_config(
+                                                     t, CUDA, cfg, "fp8_block"))
+
+    def rope8(gather):
+        config = rope_fp8_block.RopeFp8BlockConfig(unit=32, gather=True, num_warps=16) if gather else None
+        return lambda: rope_fp8_block.rope_fp8_block_bwd(e(T, N, dtype=bf), cos, sin, num_heads=H, head_dim=D,
+                                                         qk_head_dim=P, rope_dim=R, rope_style="deepseek",
+                                                         config=config)
+
+    def norm8(columnwise):
+        config = rmsnorm_fp8_block.default_config(T, K, CUDA, columnwise)
+        return lambda: rmsnorm_fp8_block.rmsnorm_fp8_block_fwd(x, g, 1e-6, False, columnwise=columnwise,
+                                                               config=config)
+
+    yield f"rmsnorm_fp8_block T={T} (train)", norm8(True)
+    yield f"rmsnorm_fp8_block T={T} (inference)", norm8(False)
+    yield "rope_fp8_block (default)", rope8(False)
+    yield "rope_fp8_block (gather)", rope8(True)
+    yield "fp8_block_quantize (128x128 weight)", lambda: fp8_block_quant.fp8_block_quantize_2d(
+        e(N, K, dtype=bf), (128, 128))
+    yield "qproj_gemm fp8_block T=4096 (bf16)", gemm_fp8(4096)
+    yield f"qproj_gemm fp8_block T={T} (bf16)", gemm_fp8(T)
+    yield f"qproj_gemm fp8_block T={T} (mxfp8)", gemm_fp8(T, "mxfp8")
 
 
 def main() -> int:

@@ -35,7 +35,8 @@ The kernel is persistent (one program per SM, GROUP_M-swizzled tile order) and r
 descriptors (TMA on sm_90; the interpreter emulates them, zero-filling out-of-bounds rows like TMA does). Its launch
 parameters are a `GemmConfig`; `default_config` picks them per operand kind by device and T bucket. Every config
 gives the same bytes (fp8 on the GPU: as long as the tensor core's rounding inside a block does not depend on the
-MMA instruction shape, which BLOCK_M and num_warps choose; `tools/gemm_fp8_probe.py` compares).
+MMA instruction shape, which BLOCK_M and num_warps choose: the GPU tests compare configs, BENCHMARKS.md names the
+probe that timed them).
 Under TRITON_INTERPRET=1 the same kernel runs with three switches: the dot on fp32 upcasts (the interpreter
 multiplies bf16 bit patterns as integers), a while loop over tiles (its range() rejects tensor bounds under
 numpy 2) and EMULATED rounding (explicit RNE to E4M3 / bf16 and a NaN-ignoring amax; its casts mis-round).
