@@ -426,7 +426,8 @@ def _style(name: str) -> dict:
         return {"color": greys.get(name, "0.75"), "hatch": "//" if name.startswith(("compiled", "unfused")) else ""}
     palette = {"fp8_block": "tab:red", "bf16_gemm": "tab:green", "mxfp8": "tab:blue"}
     color = next(c for key, c in palette.items() if key in name)
-    return {"color": color, "hatch": ".." if "cudagraph" in name else "xx" if "_out" in name else ""}
+    hatches = {"cudagraph": "..", "posids": "\\\\", "colwise": "oo", "_out": "xx"}  # one knob changed: its own hatch
+    return {"color": color, "hatch": next((h for key, h in hatches.items() if key in name), "")}
 
 
 def plot(results: list[dict], path: str, device: str) -> str | None:

@@ -42,3 +42,15 @@ def test_bench_tp_gloo_smoke(tmp_path):
         assert row in out.stdout, out.stdout
     assert "132, 132, 512" in out.stdout, "fp8_block at K = 128: 128 code bytes + one fp32 scale per token"
     assert (tmp_path / "r.jsonl").read_text().count("\n") == 1
+
+
+def test_chart_tells_every_row_apart():
+    """Each panel of the chart (forward rows; forward + backward rows) gives every row its own colour and hatch."""
+    from mla_qproj.bench import _style, make_rows
+
+    rows = make_rows({}, "default")
+    for kind in ("fwd", "fwdbwd"):
+        names = [r.name for r in rows if r.kind == kind]
+        styles = [(_style(n)["color"], _style(n)["hatch"]) for n in names]
+        assert len(names) > 3
+        assert len(set(styles)) == len(styles), dict(zip(names, styles))
