@@ -425,17 +425,18 @@ def _fp8_config(T, cfg, device, **changes) -> GemmConfig:
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_fp8_half_width_128(style, device):
-    """HB = 128 ([BLOCK_M, 256] tiles, the half width before fp8_block operands took 64) on a W' laid out for it:
-    the reference's output, and the same bytes as the default HB = 64 (T = 45: partial tiles; H = 5: a partial
-    rope tile at HB = 128 and several at 64)."""
+def test_fp8_half_width_64(style, device):
+    """HB = 64 ([BLOCK_M, 128] tiles, selectable; the default is 128) on a W' laid out for it: the reference's
+    output, and the same bytes as the default HB = 128 (T = 45: partial tiles; H = 5: a partial rope tile at
+    HB = 128 and several at 64)."""
     cfg = _cfg(128, 5, 32, 64, 128, style, "mxfp8", True, "floor")
-    args, scales, ref, (args128, scales128) = _fp8_case(45, cfg, device, "fp32", other_hb=128)
+    args, scales, ref, (args64, scales64) = _fp8_case(45, cfg, device, "fp32", other_hb=64)
     assert fused_layout(cfg, 128)[2] != fused_layout(cfg, 64)[2]  # the layouts differ: W' rows 1280 vs 768
-    out = qproj_gemm_fwd(*args128, **scales128, config=_fp8_config(45, cfg, device, HB=128))
+    assert default_config(45, device, cfg, "fp8_block").HB == 128
+    out = qproj_gemm_fwd(*args64, **scales64, config=_fp8_config(45, cfg, device, HB=64))
     _check_fp8(out, ref, cfg)
     for i, (o, b) in enumerate(zip(out, qproj_gemm_fwd(*args, **scales), strict=True)):
-        assert_bytes_equal(o, b, f"HB = 128 vs 64 output {i}")
+        assert_bytes_equal(o, b, f"HB = 64 vs 128 output {i}")
 
 
 @pytest.mark.parametrize("style", STYLES)
