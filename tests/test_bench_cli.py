@@ -53,4 +53,4 @@ def test_chart_tells_every_row_apart():
         names = [r.name for r in rows if r.kind == kind]
         styles = [(_style(n)["color"], _style(n)["hatch"]) for n in names]
         assert len(names) > 3
-        assert len(set(styles)) == len(styles), dict(zip(names, styles))
+        assert len(set(styles)) == len(styles), dict(zip(names, styles, strict=True))
