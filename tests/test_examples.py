@@ -175,3 +175,23 @@ def test_main_on_cuda(tmp_path, output_format):
     for name, r in trained.items():
         assert all(math.isfinite(v) for v in r["losses"]), (name, r["losses"])
         assert abs(r["losses"][0] - ref) <= 2e-2 * ref, (name, r["losses"][0], ref)
+
+
+def test_readme_api_snippet_runs_as_written():
+    """README's API block runs as written on a CPU (a subprocess without TRITON_INTERPRET: a CPU user's default,
+    the PyTorch reference) and gives what its comments say."""
+    import os
+    import re
+    import subprocess
+
+    readme = (_PATH.parents[1] / "README.md").read_text()
+    block = re.search(r"^## API.*?```python\n(.*?)```", readme, re.S | re.M).group(1)
+    check = ("\nassert q.shape == (8, 4, 192) and q.dtype == torch.bfloat16\n"
+             "assert x.grad is not None and layer.weight.grad is not None and layer.norm_weight.grad is not None\n"
+             "assert data.shape == (300, 256) and data.dtype == torch.float8_e4m3fn and scale_inv.shape == (300, 2)\n"
+             "assert isinstance(qt, MXFP8Tensor)\n"
+             "assert tuple(layer2.weight.shape) == (4 * 192, 256)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(_PATH.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", block + check], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
