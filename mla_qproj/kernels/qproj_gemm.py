@@ -624,7 +624,7 @@ def _default_config_fp8(T: int, device: torch.device, cfg: QProjConfig) -> GemmC
     """BLOCK_K = 128: one scale block per step; HB = 128 (`fused_half_width`): [64, 256] tiles with 8 warps (two
     warpgroups side by side along N, hence W's quarter order), 4 stages (sm_90 offline: 194-197 registers, no
     spills; a [128, 256] tile doubles the accumulator and the block's dot result and spills). Measured on the H200
-    against the [128, 128] tiles of HB = 64 (BENCHMARKS.md): the faster at T = 16384, 5 % behind at 4096."""
+    against the [128, 128] tiles of HB = 64 (BENCHMARKS.md): the faster at T = 16384."""
     hb = fused_half_width(cfg, "fp8_block")
     if device.type != "cuda":
         return _geometry_config(T, device, cfg, hb, BLOCK_M=32, BLOCK_K=128, GROUP_M=2, NUM_SMS=3, num_warps=4,
