@@ -77,3 +77,12 @@ def _same_bytes_or_both_nan(a: torch.Tensor, b: torch.Tensor, label: str) -> Non
         assert torch.equal(a.isnan(), b.isnan()), f"{label}: NaN positions differ"
         a, b = a.nan_to_num(0.0), b.nan_to_num(0.0)
     assert_bytes_equal(a, b, label)
+
+
+def assert_op_matches(caller, args: tuple, want: tuple) -> None:
+    """caller: an op file's `_op.define_op` caller. Its registered op passes torch.library.opcheck (schema, fake
+    allocation) on args, and the op and the eager caller both give want's bytes."""
+    torch.library.opcheck(caller.op, args)
+    for got_op, got_eager, w in zip(caller.op(*args), caller(*args), want, strict=True):
+        assert_bytes_equal(got_op, w, "op")
+        assert_bytes_equal(got_eager, w, "eager caller")

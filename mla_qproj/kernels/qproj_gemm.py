@@ -816,14 +816,6 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
 # W' arrives laid out with the default half width (`fused_half_width`): the layout the layer builds.
 
 
-@functools.lru_cache(maxsize=64)
-def _op_cfg(K: int, H: int, nope: int, R: int, D: int, style: str, output_format: str, columnwise: bool,
-            scale_mode: str) -> QProjConfig:
-    """The QProjConfig of an op call's geometry arguments (cached: building one costs microseconds per call)."""
-    return QProjConfig.make(K, H, nope, R, D, rope_style=style, output_format=output_format,
-                            columnwise_output=columnwise, scale_mode=scale_mode)
-
-
 def _four_outputs(outs: tuple, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launcher's outputs as the op's four, absent ones empty uint8 tensors (custom ops return no None)."""
     outs = outs if len(outs) == 4 else (outs[0], None, None, None)
@@ -835,63 +827,44 @@ def _eager_outputs(outs: tuple) -> tuple:
     return (outs[0], None, None, None) if len(outs) == 1 else outs
 
 
-def _op_launch(a, w_prepared, cos_h, sin_h, geo: tuple, a_scale_inv=None, w_scale_inv=None, check=True) -> tuple:
-    """The launcher on an op's arguments; geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style,
-    output_format, columnwise, scale_mode)."""
-    return qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, _op_cfg(a.shape[1], *geo), a_scale_inv=a_scale_inv,
-                          w_scale_inv=w_scale_inv, check=check)
-
-
-def _op_fake(a: torch.Tensor, geo: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _four_outputs(qproj_gemm_outputs(a.shape[0], _op_cfg(a.shape[1], *geo), a), a)
+def _fake(a: torch.Tensor, cfg: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _four_outputs(qproj_gemm_outputs(a.shape[0], QProjConfig.decode(cfg), a), a)
 
 
 @torch.library.custom_op("mla_qproj::qproj_gemm_fwd", mutates_args=())
 def _qproj_gemm_fwd_def(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor,
-                        num_heads: int, qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
-                        output_format: str, columnwise: bool, scale_mode: str) -> tuple[
-                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 operands: a [T, K] and W' from `prepare_fused_weight`."""
-    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
-    return _four_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo), a)
+                        cfg: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 operands: a [T, K] and W' from `prepare_fused_weight`; cfg: the layer config (`QProjConfig.encode`)."""
+    return _four_outputs(qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, QProjConfig.decode(cfg)), a)
 
 
 @_qproj_gemm_fwd_def.register_fake
-def _(a, w_prepared, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
-      scale_mode):
-    return _op_fake(a, (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
-                        scale_mode))
+def _(a, w_prepared, cos_h, sin_h, cfg):
+    return _fake(a, cfg)
 
 
-def _qproj_gemm_fwd_eager(a, w_prepared, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style,
-                          output_format, columnwise, scale_mode) -> tuple:
-    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
-    return _eager_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo, check=False))
+def _qproj_gemm_fwd_eager(a, w_prepared, cos_h, sin_h, cfg) -> tuple:
+    return _eager_outputs(qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, QProjConfig.decode(cfg), check=False))
 
 
 @torch.library.custom_op("mla_qproj::qproj_gemm_fp8_fwd", mutates_args=())
 def _qproj_gemm_fp8_fwd_def(a: torch.Tensor, a_scale_inv: torch.Tensor, w_prepared: torch.Tensor,
-                            w_scale_inv: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, num_heads: int,
-                            qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str, output_format: str,
-                            columnwise: bool, scale_mode: str) -> tuple[
+                            w_scale_inv: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: str) -> tuple[
                                 torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp8_block operands (SPEC §5): a = xn's 1x128 E4M3 codes [T, K] with scale_inv [K/128, T]; W' and its
     scale_inv [K/128, rows] from `prepare_fused_weight_fp8`."""
-    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
-    return _four_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo, a_scale_inv, w_scale_inv), a)
+    return _four_outputs(qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, QProjConfig.decode(cfg), a_scale_inv=a_scale_inv,
+                                        w_scale_inv=w_scale_inv), a)
 
 
 @_qproj_gemm_fp8_fwd_def.register_fake
-def _(a, a_scale_inv, w_prepared, w_scale_inv, cos_h, sin_h, num_heads, qk_head_dim, rope_dim, head_dim, rope_style,
-      output_format, columnwise, scale_mode):
-    return _op_fake(a, (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise,
-                        scale_mode))
+def _(a, a_scale_inv, w_prepared, w_scale_inv, cos_h, sin_h, cfg):
+    return _fake(a, cfg)
 
 
-def _qproj_gemm_fp8_fwd_eager(a, a_scale_inv, w_prepared, w_scale_inv, cos_h, sin_h, num_heads, qk_head_dim,
-                              rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode) -> tuple:
-    geo = (num_heads, qk_head_dim, rope_dim, head_dim, rope_style, output_format, columnwise, scale_mode)
-    return _eager_outputs(_op_launch(a, w_prepared, cos_h, sin_h, geo, a_scale_inv, w_scale_inv, check=False))
+def _qproj_gemm_fp8_fwd_eager(a, a_scale_inv, w_prepared, w_scale_inv, cos_h, sin_h, cfg) -> tuple:
+    return _eager_outputs(qproj_gemm_fwd(a, w_prepared, cos_h, sin_h, QProjConfig.decode(cfg), a_scale_inv=a_scale_inv,
+                                         w_scale_inv=w_scale_inv, check=False))
 
 
 # the layer's entry points: call(*args) runs the launcher directly in eager mode and the registered op under

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import interpreter_enabled
+from .._config import QProjConfig, interpreter_enabled
 from ..reference.fp8_block import FP8_BLOCK
 from . import _fp8_block, _op
 from ._common import amax, cdiv
@@ -241,14 +241,16 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
 # ------------------------------------------------------------------------------------------------ custom op
 
 
-@torch.library.custom_op("mla_qproj::rmsnorm_fp8_block_fwd", mutates_args=())
-def rmsnorm_fp8_block_fwd_op(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
-                             block_scale: str, columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor, torch.Tensor]:
-    """`rmsnorm_fp8_block_fwd` as a torch.library op (traceable by torch.compile; no host syncs)."""
-    return rmsnorm_fp8_block_fwd(x2d, norm_weight, eps, zero_centered_gamma, block_scale, columnwise)
+def _rmsnorm_fp8_block_fwd_impl(x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: str, columnwise: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rmsnorm_fp8_block_fwd` with the layer's eps, gamma form and block scale from cfg (`QProjConfig.encode`)."""
+    c = QProjConfig.decode(cfg)
+    return rmsnorm_fp8_block_fwd(x2d, norm_weight, c.eps, c.zero_centered_gamma, c.block_scale, columnwise)
 
 
-@rmsnorm_fp8_block_fwd_op.register_fake
-def _(x2d, norm_weight, eps, zero_centered_gamma, block_scale, columnwise):
+def _rmsnorm_fp8_block_fwd_fake(x2d, norm_weight, cfg, columnwise):
     return rmsnorm_fp8_block_outputs(x2d, columnwise)
+
+
+rmsnorm_fp8_block_fwd_op = _op.define_op("mla_qproj::rmsnorm_fp8_block_fwd", _rmsnorm_fp8_block_fwd_impl,
+                                         _rmsnorm_fp8_block_fwd_fake)

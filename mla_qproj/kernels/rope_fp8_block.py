@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import ROPE_STYLES, validate_choice
+from .._config import ROPE_STYLES, QProjConfig, validate_choice
 from ..reference.fp8_block import FP8_BLOCK
 from . import _fp8_block, _op
 from ._common import amax, cdiv, check_pair_tables, rope_sources
@@ -279,15 +279,19 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
 # ------------------------------------------------------------------------------------------------ custom op
 
 
-@torch.library.custom_op("mla_qproj::rope_fp8_block_bwd", mutates_args=())
-def rope_fp8_block_bwd_op(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, num_heads: int,
-                          head_dim: int, qk_head_dim: int, rope_dim: int, rope_style: str,
-                          block_scale: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`rope_fp8_block_bwd` as a torch.library op (traceable by torch.compile; no host syncs)."""
-    return rope_fp8_block_bwd(dq2d, cos_h, sin_h, num_heads=num_heads, head_dim=head_dim, qk_head_dim=qk_head_dim,
-                              rope_dim=rope_dim, rope_style=rope_style, block_scale=block_scale)
+def _rope_fp8_block_bwd_impl(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: str) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rope_fp8_block_bwd` with the geometry, rope style and block scale of the layer config cfg
+    (`QProjConfig.encode`)."""
+    c = QProjConfig.decode(cfg)
+    return rope_fp8_block_bwd(dq2d, cos_h, sin_h, num_heads=c.num_heads, head_dim=c.q_head_dim,
+                              qk_head_dim=c.qk_head_dim, rope_dim=c.rope_dim, rope_style=c.rope_style,
+                              block_scale=c.block_scale)
 
 
-@rope_fp8_block_bwd_op.register_fake
-def _(dq2d, cos_h, sin_h, num_heads, head_dim, qk_head_dim, rope_dim, rope_style, block_scale):
+def _rope_fp8_block_bwd_fake(dq2d, cos_h, sin_h, cfg):
     return rope_fp8_block_outputs(dq2d)
+
+
+rope_fp8_block_bwd_op = _op.define_op("mla_qproj::rope_fp8_block_bwd", _rope_fp8_block_bwd_impl,
+                                      _rope_fp8_block_bwd_fake)

@@ -64,10 +64,10 @@ class FP8Block(Recipe):
             xn = ref8.canonical_nan(xn)
             a = ref8.quantize_blocks(xn, (1, FP8_BLOCK), bs)  # codes [T, K], scale_inv [T, K/128]
             return rsigma, a, ref8.quantize_blocks(xn, (FP8_BLOCK, 1), bs) if save else ()
+        from ..kernels._op import encoded
         from ..kernels.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd_op
 
-        rsigma, ad, asv, cd, cs = rmsnorm_fp8_block_fwd_op(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma, bs,
-                                                           save)
+        rsigma, ad, asv, cd, cs = rmsnorm_fp8_block_fwd_op(x2d, norm_weight, encoded(cfg), save)
         # a: codes [T, K], scale_inv M-major [K/128, T]; saved: codes transposed [K, T_pad], scale_inv [T/128, K]
         return rsigma, (ad, asv), (cd, cs) if save else ()
 
@@ -78,11 +78,10 @@ class FP8Block(Recipe):
             y = ref8.block_scaled_mm(ad, asv, pw["wq"], pw["ws"], 1, FP8_BLOCK)
             return reference_query(y, cos_h, sin_h, cfg)
         if pw.get("fused") is not None:
+            from ..kernels._op import encoded
             from ..kernels.qproj_gemm import qproj_gemm_fp8_fwd_op
 
-            outs = qproj_gemm_fp8_fwd_op(ad, asv, pw["fused"], pw["fused_sinv"], cos_h, sin_h, cfg.num_heads,
-                                         cfg.qk_head_dim, cfg.rope_dim, cfg.q_head_dim, cfg.rope_style,
-                                         cfg.output_format, cfg.columnwise_output, cfg.scale_mode)
+            outs = qproj_gemm_fp8_fwd_op(ad, asv, pw["fused"], pw["fused_sinv"], cos_h, sin_h, encoded(cfg))
             return query_outputs(*outs, T, cfg)
         # a geometry the fused epilogue does not cover: an fp32 GEMM, then the RoPE + output kernel
         if cublas_blockwise(ad.device, cfg.q_lora_rank):
@@ -111,11 +110,11 @@ class FP8Block(Recipe):
         if not use_triton:
             dr, drs, dc, dcs = ref8.grad_operands_fp8_block(dq2d, cos_h, sin_h, cfg, bs)
             return (dr, drs), (dc, dcs)
+        from ..kernels._op import encoded
         from ..kernels.rope_fp8_block import rope_fp8_block_bwd_op
 
         # row: codes [T, N], scale_inv M-major [N/128, T]; col: codes transposed [N, T_pad], scale_inv [T/128, N]
-        dr, drs, dc, dcs = rope_fp8_block_bwd_op(dq2d, cos_h, sin_h, cfg.num_heads, cfg.q_head_dim,
-                                                 cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, bs)
+        dr, drs, dc, dcs = rope_fp8_block_bwd_op(dq2d, cos_h, sin_h, encoded(cfg))
         return (dr, drs), (dc, dcs)
 
     def dgrad(self, g_row, pw, cols, cfg, use_triton, dxn):

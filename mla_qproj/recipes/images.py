@@ -71,11 +71,10 @@ class ImageRecipe(Recipe):
         if not use_triton:
             return reference_query(a.float() @ pw["fwd"].float().t(), cos_h, sin_h, cfg)
         if pw.get("fused") is not None:
+            from ..kernels._op import encoded
             from ..kernels.qproj_gemm import qproj_gemm_fwd_op
 
-            outs = qproj_gemm_fwd_op(a, pw["fused"], cos_h, sin_h, cfg.num_heads, cfg.qk_head_dim, cfg.rope_dim,
-                                     cfg.q_head_dim, cfg.rope_style, cfg.output_format, cfg.columnwise_output,
-                                     cfg.scale_mode)
+            outs = qproj_gemm_fwd_op(a, pw["fused"], cos_h, sin_h, encoded(cfg))
             return query_outputs(*outs, T, cfg)
         return rope_epilogue(mm_fp32(a, pw["fwd"].t()), cos_h, sin_h, cfg)
 

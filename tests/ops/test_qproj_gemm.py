@@ -586,16 +586,18 @@ def test_gemm_custom_ops(operands, fmt, col, device):
     from mla_qproj.kernels.qproj_gemm import qproj_gemm_fp8_fwd_op, qproj_gemm_fwd_op
 
     cfg = _cfg(128, 2, 128, 64, 192, "neox", fmt, col)
-    geo = (2, 128, 64, 192, "neox", fmt, col, "rceil")
+    if operands == "fp8_block":
+        cfg = dataclasses.replace(cfg, precision="fp8_block")
+    enc = cfg.encode()
     if operands == "fp8_block":
         (a, wp, c, s, _), scales, _ = _fp8_case(5, cfg, device)
         direct = qproj_gemm_fwd(a, wp, c, s, cfg, **scales)
-        op, op_args = qproj_gemm_fp8_fwd_op, (a, scales["a_scale_inv"], wp, scales["w_scale_inv"], c, s, *geo)
+        op, op_args = qproj_gemm_fp8_fwd_op, (a, scales["a_scale_inv"], wp, scales["w_scale_inv"], c, s, enc)
     else:
         a, w, c, s, _ = _case(5, cfg, device)
         wp = prepare_fused_weight(w, cfg)
         direct = qproj_gemm_fwd(a, wp, c, s, cfg)
-        op, op_args = qproj_gemm_fwd_op, (a, wp, c, s, *geo)
+        op, op_args = qproj_gemm_fwd_op, (a, wp, c, s, enc)
     eager, traced = op(*op_args), op.op(*op_args)
     for i in range(4):
         d = direct[i] if i < len(direct) else None

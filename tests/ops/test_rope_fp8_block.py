@@ -15,7 +15,7 @@ from mla_qproj.kernels.rope_fp8_block import RopeFp8BlockConfig, fast_unit, rope
 from mla_qproj.kernels.rope_fp8_block import default_config as default_rope_config
 from mla_qproj.reference import fp8_block as F
 
-from _helpers import INF, set_nan
+from _helpers import INF, assert_op_matches, set_nan
 from _tolerances import assert_bytes_equal
 from conftest import DEVICE
 
@@ -146,10 +146,17 @@ def test_rope_fp8_block_errors():
             rope_fp8_block_bwd(dq, c, s, config=bad, **kw)
 
 
-def test_rope_op_registration():
+@pytest.mark.parametrize("style,block_scale", [("gptj", "pow2"), ("neox", "fp32")])
+def test_rope_op_registration(style, block_scale):
+    """The op (its schema, fake allocation) and its eager caller give the launcher's bytes for the layer config's
+    geometry, rope style and block scale."""
     dq, c, s = rope_inputs(4, 2, 48, 16, torch.bfloat16, 2)  # finite (opcheck compares outputs with NaN != NaN)
-    torch.library.opcheck(rope_fp8_block_bwd_op, (dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), 2, 48, 16, 16, "gptj",
-                                                  "pow2"))
+    dq, c, s = dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE)
+    cfg = QProjConfig.make(128, 2, 16, 16, 48, rope_style=style, precision="fp8_block", block_scale=block_scale,
+                           output_format="bf16")
+    assert_op_matches(rope_fp8_block_bwd_op, (dq, c, s, cfg.encode()),
+                      rope_fp8_block_bwd(dq, c, s, num_heads=2, head_dim=48, qk_head_dim=16, rope_dim=16,
+                                         rope_style=style, block_scale=block_scale))
 
 
 @pytest.mark.gpu
