@@ -554,3 +554,24 @@ def test_mxfp8_quantize_backends_byte_identical_gpu(scale_mode):
     b = mxfp8_quantize(t, columnwise=True, scale_mode=scale_mode, backend="torch")
     for f in ("rowwise_data", "rowwise_scale", "columnwise_data", "columnwise_scale"):
         assert_bytes_equal(getattr(a, f), getattr(b, f), f)
+
+
+@pytest.mark.parametrize("precision,backend", [("mxfp8", "torch"), ("bf16", "torch"), ("bf16", "auto")])
+def test_autocast_changes_nothing(precision, backend):
+    """The layer's precision is its own: under torch.autocast (bf16) the query and every gradient are those of a call
+    without it (autocast would otherwise run the reference's fp32 GEMMs in bf16)."""
+    torch.manual_seed(0)
+    layer = layer_(precision=precision, output_format="bf16", backend=backend)
+    x = torch.randn(40, K, device=DEV, dtype=torch.bfloat16)
+    pos = torch.arange(40, device=DEV)
+    dy = torch.randn(40, H, NOPE + R, device=DEV)
+    results = []
+    for enabled in (False, True):
+        layer.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast(DEV.type, dtype=torch.bfloat16, enabled=enabled):
+            q = layer(xg, position_ids=pos)
+            (q.float() * dy).sum().backward()
+        results.append((q, xg.grad, layer.weight.grad, layer.norm_weight.grad))
+    for name, a, b in zip(("q", "dx", "dW", "dnorm_w"), *results, strict=True):
+        assert_bytes_equal(b, a, name)
