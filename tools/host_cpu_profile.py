@@ -20,11 +20,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from mla_qproj import FusedMLAQUpProjection  # noqa: E402
-from mla_qproj import backend as be  # noqa: E402
 from mla_qproj.kernels import qproj_gemm as qg  # noqa: E402
+from mla_qproj.kernels import rmsnorm_fp8_block as r8  # noqa: E402
 from mla_qproj.kernels import rmsnorm_quant as rq  # noqa: E402
+from mla_qproj.recipes.base import PreparedWeight  # noqa: E402
 
 T, K, H, P, R = 4096, 1536, 128, 128, 64
+N = H * (P + R)
 
 
 class _NoLaunch:
@@ -43,35 +45,56 @@ def per_call_us(fn, n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def _layer(precision: str) -> FusedMLAQUpProjection:
+    """The V3-shape layer with a stand-in prepared weight in the fused kernel's layout (quantizing W would run the
+    interpreter)."""
+    layer = FusedMLAQUpProjection(K, H, P, R, dtype=torch.bfloat16, precision=precision, output_format="bf16"
+                                  if precision == "fp8_block" else "mxfp8")
+    cfg = layer.cfg
+    if precision == "fp8_block":
+        src = qg.fused_row_source(cfg, "fp8_block")
+        wq, ws = torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.ones(N // 128, K // 128)
+        fused, fused_sinv = qg.prepare_fused_weight_fp8(wq, ws, cfg, src)
+        pw = PreparedWeight((), {"wq": wq, "ws": ws, "fused": fused, "fused_sinv": fused_sinv})
+    else:
+        pw = PreparedWeight((), {"fused": torch.zeros(qg.fused_layout(cfg)[2], K, dtype=torch.bfloat16)})
+    layer._prepared_weight = lambda use_triton: pw
+    return layer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", action="store_true", help="also print a cProfile of the layer's forward")
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of the layers' forward")
     args = ap.parse_args()
     qg._qproj_gemm_fwd_kernel = _NoLaunch()
     rq._rmsnorm_quant_fwd_kernel = _NoLaunch()
     rq._rsigma_kernel = _NoLaunch()
-    layer = FusedMLAQUpProjection(K, H, P, R, dtype=torch.bfloat16)
-    cfg = layer.cfg
-    wp = torch.zeros(qg.fused_layout(cfg)[2], K, dtype=torch.bfloat16)  # the fused kernel's weight layout
-    pw = be.PreparedWeight((), None, torch.empty(1), wp)
-    layer._prepared_weight = lambda use_triton: pw  # skip quantizing W (it would run the interpreter)
+    r8._rsigma_kernel = _NoLaunch()
+    r8._rmsnorm_fp8_block_kernel = _NoLaunch()
+    r8._rmsnorm_fp8_block_packed_kernel = _NoLaunch()
     x = torch.randn(T, K).to(torch.bfloat16)
     cos, sin = torch.randn(T, R), torch.randn(T, R)
-    a = torch.empty(T, K, dtype=torch.bfloat16)
-    c, s = cos[:, : R // 2].contiguous(), sin[:, : R // 2].contiguous()
-    g = torch.ones(K, dtype=torch.bfloat16)
+    layers = {p: _layer(p) for p in ("mxfp8", "fp8_block")}
     with torch.no_grad():
-        print(f"no-grad layer forward: {per_call_us(lambda: layer(x, cos, sin)):.1f} us/call (kernels stubbed)")
+        for p, layer in layers.items():
+            print(f"no-grad layer forward, {p}: {per_call_us(lambda layer=layer: layer(x, cos, sin)):.1f} us/call "
+                  "(kernels stubbed)")
+        cfg = layers["mxfp8"].cfg
+        a, wp = torch.empty(T, K, dtype=torch.bfloat16), layers["mxfp8"]._prepared_weight(True)["fused"]
+        c, s = cos[:, : R // 2].contiguous(), sin[:, : R // 2].contiguous()
+        g = torch.ones(K, dtype=torch.bfloat16)
         print(f"qproj_gemm_fwd launcher: {per_call_us(lambda: qg.qproj_gemm_fwd(a, wp, c, s, cfg)):.1f} us/call")
         print(f"rmsnorm_quant_fwd launcher: "
               f"{per_call_us(lambda: rq.rmsnorm_quant_fwd(x, g, 1e-6, False, 'mxfp8', 'rceil', False)):.1f} us/call")
         if args.profile:
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(2000):
-                layer(x, cos, sin)
-            pr.disable()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+            for p, layer in layers.items():
+                print(f"--- {p}")
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(2000):
+                    layer(x, cos, sin)
+                pr.disable()
+                pstats.Stats(pr).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
