@@ -1,9 +1,11 @@
-"""Where the time goes: torch.profiler kernel table for ours fwd+bwd (T=16384) and host time per call (T=1024).
+"""Where the time goes (GPU): host vs wall time and the kernel table of fwd+bwd at T = 4096, the kernel table at
+T = 16384, host time per forward at T = 1024 / 4096; for each precision given.
 
-    python tools/profile_layer.py
+    python tools/profile_layer.py [--precision mxfp8,fp8_block]
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -37,35 +39,28 @@ def host_and_wall_ms(fn, n: int = 20, warmup: int = 3) -> tuple[float, float]:
     return 1e3 * (t1 - t0) / n, 1e3 * (time.perf_counter() - t0) / n
 
 
-def backward_4096():
-    """The T = 4096 backward: host vs wall time per fwd+bwd, dW written in bf16 by cuBLAS or cast from fp32, the
-    wgrad GEMM alone in three forms, and the kernel table."""
+def backward_4096(**kw):
+    """The T = 4096 fwd+bwd: host vs wall time per call, the wgrad GEMM alone (bf16 written by cuBLAS or cast from
+    fp32) and the kernel table."""
     from triton.testing import do_bench
 
-    from mla_qproj import backend
+    from mla_qproj.recipes._gemm import mm_into_dtype
 
     T = 4096
-    layer, x, _, cos, sin = make(T)
+    layer, x, _, cos, sin = make(T, **kw)
     dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
 
     def step():
         layer(x, cos, sin).backward(dy)
 
-    for direct in (False, True, False, True):  # twice each, alternating: order effects show
-        backend.DW_BF16_DIRECT = direct
-        host, wall = host_and_wall_ms(step)
-        ms = do_bench(step, warmup=10, rep=50, return_mode="median")
-        print(f"T={T} fwd+bwd dW_bf16_direct={direct}: host {host:.3f} ms/call, wall {wall:.3f} ms/call, "
-              f"do_bench {ms:.3f} ms")
-    backend.DW_BF16_DIRECT = True
+    host, wall = host_and_wall_ms(step)
+    ms = do_bench(step, warmup=10, rep=50, return_mode="median")
+    print(f"T={T} fwd+bwd: host {host:.3f} ms/call, wall {wall:.3f} ms/call, do_bench {ms:.3f} ms")
     a = torch.randn(T, H * (NOPE + ROPE), device="cuda").to(torch.bfloat16).t()
     b = torch.randn(T, K, device="cuda").to(torch.bfloat16)
     out = torch.empty(a.shape[0], K, device="cuda", dtype=torch.bfloat16)
-    m = torch.backends.cuda.matmul
     forms = {"fp32 out + cast": lambda: torch.mm(a, b, out_dtype=torch.float32).to(torch.bfloat16),
-             "bf16 out, reduced-precision reduction off": lambda: backend._mm_into_dtype(out, a, b)}
-    m.allow_bf16_reduced_precision_reduction = True
-    forms["bf16 out, torch default flags"] = lambda: torch.mm(a, b, out=out)
+             "bf16 out (mm_into_dtype)": lambda: mm_into_dtype(out, a, b)}
     for name, fn in forms.items():
         host, _ = host_and_wall_ms(fn, n=100, warmup=1)
         gpu = do_bench(fn, warmup=10, rep=50, return_mode="median")
@@ -80,10 +75,12 @@ def backward_4096():
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
-def main():
-    backward_4096()
+def profile_precision(precision: str) -> None:
+    kw = dict(precision=precision, output_format="bf16" if precision == "fp8_block" else "mxfp8")
+    print(f"######## precision={precision}, output_format={kw['output_format']}")
+    backward_4096(**kw)
     for T in (16384,):
-        layer, x, pos, _, _ = make(T)
+        layer, x, pos, _, _ = make(T, **kw)
         dy = torch.randn(T, H, NOPE + ROPE, device="cuda", dtype=torch.bfloat16)
         for _ in range(3):
             layer(x, position_ids=pos).backward(dy)
@@ -95,7 +92,7 @@ def main():
         print(f"=== T={T} fwd+bwd, 5 iterations")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     for T in (1024, 4096):
-        layer, x, pos, cos, sin = make(T)
+        layer, x, pos, cos, sin = make(T, **kw)
         for name, call in (("position_ids", lambda: layer(x, position_ids=pos)),  # noqa: B023
                            ("cos/sin [T, 64] fp32", lambda: layer(x, cos, sin))):  # noqa: B023
             with torch.no_grad():
@@ -107,11 +104,14 @@ def main():
             torch.cuda.synchronize()
         print(f"=== T={T} forward (cos/sin given), 10 calls: GPU kernels")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    layer, x, pos, _, _ = make(1024)
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(20):
-            layer(x, position_ids=pos)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--precision", default="mxfp8,fp8_block", help="comma-separated (default: mxfp8,fp8_block)")
+    args = ap.parse_args()
+    for precision in args.precision.split(","):
+        profile_precision(precision)
 
 
 if __name__ == "__main__":
