@@ -1,9 +1,10 @@
 """Block-scaled FP8 (SPEC §5: the DeepSeek-V3 / TransformerEngine Float8BlockScaling recipe) in plain PyTorch.
-Twin of `kernels/_fp8_block.py`: same names, same steps. CPU-safe; the source of truth for the kernels' bytes.
+Twin of `kernels/_fp8_block.py`: same names, same bytes. CPU-safe; the source of truth for the kernels' bytes.
 
 One fp32 scale per block of 128 (1x128 along a row, 128x1 along a column, or a 128x128 tile); E4M3 elements.
 A partial block at an edge has its amax over the elements that exist. Element codes follow SPEC §2's element
-rules (`round_to_e4m3_grid`, `to_e4m3`, `nan_ignoring_amax` of reference/mxfp8.py).
+rules: `encode_e4m3` of reference/mxfp8.py (torch's cast, checked bit for bit against the explicit grid rounding
+`round_to_e4m3_grid` that the kernels' EMULATED form mirrors), amax ignoring NaN.
 
 NaN signs of *computed* tensors: IEEE 754 does not fix the sign of a NaN that arithmetic produces (x86 keeps an
 operand's sign or gives the negative default NaN, the GPU gives +NaN), so the layer's computed quantizer inputs
@@ -20,7 +21,7 @@ import torch
 
 from .._config import QProjConfig
 from .._constants import E4M3_MAX
-from .mxfp8 import _fp32_bits, nan_ignoring_amax, round_to_e4m3_grid, to_e4m3
+from .mxfp8 import _block_amax, _fp32_bits, encode_e4m3
 from .qproj import quantize_output, rmsnorm_bwd, rmsnorm_fwd
 from .rope import apply_rope, apply_rope_inverse
 
@@ -76,7 +77,7 @@ def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Element codes (SPEC §5, §2 element rules): E4M3 round-to-nearest-even of fp32(x * scale), saturated to ±448;
     NaN stays NaN with x's sign, the sign of zero is kept. scale broadcasts against x."""
     xf = x.float()
-    return to_e4m3(round_to_e4m3_grid(xf * scale), xf)
+    return encode_e4m3(xf * scale, xf)
 
 
 def _blocks(xf: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
@@ -103,7 +104,7 @@ def quantize_blocks(x2d: torch.Tensor, block_shape=(1, FP8_BLOCK),
         raise ValueError(f"x2d must be 2-D, got shape {tuple(x2d.shape)}")
     M, N = x2d.shape
     xf = x2d.float()
-    amax = nan_ignoring_amax(_blocks(xf, bm, bn), dim=-1)  # [ceil(M/bm), ceil(N/bn)]
+    amax, _ = _block_amax(_blocks(xf, bm, bn), dim=-1)  # [ceil(M/bm), ceil(N/bn)]
     scale, scale_inv = fp8_block_scale(amax, block_scale)
     return quantize_with_scale(xf, _expand(scale, bm, bn, M, N)), scale_inv
 
