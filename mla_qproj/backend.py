@@ -35,7 +35,7 @@ def fused_row_source(cfg: QProjConfig) -> torch.Tensor | None:
 
     if not qproj_gemm.fused_gemm_supported(cfg):
         return None
-    return qproj_gemm.fused_row_source(cfg, "fp8_block" if cfg.precision == "fp8_block" else "bf16")
+    return qproj_gemm.fused_row_source(cfg, get_recipe(cfg.precision).fused_operands)
 
 
 def fused_on(device: torch.device) -> bool:

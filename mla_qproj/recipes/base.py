@@ -42,11 +42,14 @@ class PreparedWeight:
 class Recipe:
     """Interface of a GEMM precision. `col_block`: tokens per block of the columnwise xn that backward saves (the
     local token count of a sequence-parallel rank must be a multiple; 1 = no token blocks). `n_align`: columns of N
-    a head group of the backward must be a multiple of (the query gradient's row blocks must not straddle groups)."""
+    a head group of the backward must be a multiple of (the query gradient's row blocks must not straddle groups).
+    `fused_operands`: the operand kind of the fused forward GEMM (`kernels.qproj_gemm`: "bf16" images or
+    "fp8_block" codes), which fixes the row order of its weight."""
 
     name: ClassVar[str]
     col_block: ClassVar[int] = 1
     n_align: ClassVar[int] = 1
+    fused_operands: ClassVar[str] = "bf16"
 
     def prepare_weight(self, w: torch.Tensor, cfg: QProjConfig, use_triton: bool, key: tuple,
                        src: torch.Tensor | None) -> PreparedWeight:

@@ -33,6 +33,7 @@ class FP8Block(Recipe):
     name = "fp8_block"
     col_block = FP8_BLOCK
     n_align = FP8_BLOCK
+    fused_operands = "fp8_block"
 
     # ---------------------------------------------------------------------------------------------- weight
 
