@@ -153,6 +153,7 @@ def _worker(rank: int, world: int, port: int, cases: list, errdir: str, backend:
         if backend == "gloo":
             _check_norm_weight_sequence_parallel_attribute(rank, world)
             _check_from_modules_and_compile(rank, world)
+        dist.barrier()  # every rank done before any tears the group down (gloo aborts a peer still sending)
     except Exception:
         with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as fh:
             fh.write(traceback.format_exc())

@@ -91,6 +91,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             result[output_format] = dict(params=params, views=views,
                                          warnings=[f"{w.filename}:{w.lineno}: {w.message}" for w in records])
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank done before any tears the group down (gloo aborts a peer still sending)
     finally:
         dist.destroy_process_group()
 
