@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._config import QProjConfig, interpreter_enabled
-from .distributed import Parallel, all_reduce_sum, reduce_scatter_rows
+from .distributed import Parallel, RingGather, all_reduce_sum, reduce_scatter_rows
 from .recipes import PreparedWeight, get_recipe
 from .reference import qproj as ref
 
@@ -60,8 +60,42 @@ def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig
     recipe = get_recipe(cfg.precision)
     rsigma, a, saved = recipe.norm_quant(x2d, norm_weight, cfg, use_triton, save)
     if par is not None and par.sequence_parallel:
+        if overlap_ok(x2d.shape[0], pw, cfg, use_triton, par):
+            return _forward_overlapped(recipe, a, pw, cos_h, sin_h, cfg, par), rsigma, saved
         a = recipe.gather_input(a, par, cfg, use_triton)
     return recipe.forward_gemm(a, pw, cos_h, sin_h, cfg, use_triton), rsigma, saved
+
+
+def overlap_ok(n: int, pw: PreparedWeight, cfg: QProjConfig, use_triton: bool, par: Parallel) -> bool:
+    """The sequence-parallel forward overlaps its gather with the GEMM (`tp_comm_overlap`) when the fused kernel
+    runs eagerly (point-to-point steps with work handles, and launches writing each rank's rows into the query in
+    place; traced graphs keep the functional all-gather), there is a peer, and rank edges fall on columnwise output
+    blocks."""
+    return (par.overlap and par.world > 1 and n > 0 and use_triton and pw.get("fused") is not None
+            and not (cfg.columnwise_output and n % 32) and not torch.compiler.is_compiling())
+
+
+def _forward_overlapped(recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, par: Parallel) -> tuple:
+    """Sequence-parallel forward with the gather in flight (a ring of point-to-point steps): the fused GEMM covers
+    this rank's own tokens while the first peer's travel, then each peer's tokens as they arrive while the next
+    peer's travel, every launch writing its rows of the query. Every launch uses the config of the whole gathered
+    token count, so the bytes are those of one launch over all tokens (a row's result depends on that row only)."""
+    from .kernels.qproj_gemm import default_config, output_rows, qproj_gemm_outputs
+
+    ring = RingGather(recipe.wire_input(a, cfg, True), par)
+    n = a[0].shape[0]
+    T = n * par.world
+    outs = qproj_gemm_outputs(T, cfg, a[0])
+    config = default_config(T, a[0].device, cfg, recipe.fused_operands)
+
+    def launch(j: int, a_j) -> None:
+        rows = slice(j * n, (j + 1) * n)
+        recipe.fused_launch(a_j, pw, cos_h[rows], sin_h[rows], cfg, output_rows(outs, j * n, (j + 1) * n), config)
+
+    launch(par.rank, a)
+    for j, wire in ring:
+        launch(j, recipe.input_from_wire(wire, 1, cfg, True))
+    return outs + (None,) * (4 - len(outs))
 
 
 # T * N at or above which the backward walks the heads in groups (2, then 4 past 4x this): the [T, N] gradient
@@ -87,8 +121,8 @@ def backward(dq2d, x2d, rsigma, saved, norm_weight, pw: PreparedWeight, cos_h, s
     main_grad). With sequence parallelism dq2d covers every rank's tokens and x2d this rank's."""
     recipe = get_recipe(cfg.precision)
     sp = par is not None and par.sequence_parallel
-    if sp:
-        saved = recipe.gather_saved(saved, par, cfg, use_triton)
+    if sp:  # in flight while the first group's inverse RoPE and dgrad run; waited on by its wgrad
+        pending = recipe.start_gather_saved(saved, par, cfg, use_triton)
     T, N = dq2d.shape
     groups = head_groups(T, cfg) if use_triton else 1
     ng, gcfg = N // groups, cfg.with_heads(cfg.num_heads // groups)
@@ -99,6 +133,8 @@ def backward(dq2d, x2d, rsigma, saved, norm_weight, pw: PreparedWeight, cos_h, s
         g_row, g_col = recipe.grad_operands(dq2d[:, cols], cos_h, sin_h, gcfg, use_triton)
         dxn = recipe.dgrad(g_row, pw, cols, cfg, use_triton, dxn)
         del g_row  # [T, N / groups]: freed before the wgrad (lower peak memory)
+        if sp and g == 0:
+            saved = recipe.gathered_saved(pending, par, cfg, use_triton)
         if main_grad is not None:
             recipe.wgrad(g_col, saved, cols, cfg, use_triton, main_grad[cols], accumulate=True)
         else:

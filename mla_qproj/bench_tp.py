@@ -8,6 +8,8 @@ shows the slowest rank's median, as a step waits for it):
   megatron_unfused   Megatron-style composition: all-gather of bf16 x, then a compiled RMSNorm -> bf16 GEMM with the
                      local weight shard -> RoPE (backward: reduce-scatter of dx); bf16 query
   ours_<precision>   FusedMLAQUpProjection(tp_group, sequence_parallel=True): the quantized xn is gathered
+  ours_<p>_overlap   the same with tp_comm_overlap=True: the GEMM covers this rank's tokens while the gather runs
+                     (its query is checked to be the bytes of ours_<p> before it is timed)
   ours_<p>_tp1       the same layer at tp = 1 on all T tokens and all heads (the work a single GPU would do)
   gather_bf16_x / gather_<p>   the all-gathers alone (what the GEMM could hide)
 Forward rows run under torch.no_grad(); fwd+bwd rows use a random upstream gradient. Bytes on the wire per token are
@@ -152,17 +154,18 @@ def _bench_ours(p, T, args, device, w_local, w_full, g, x, x_local, cos, sin, dy
     group = dist.group.WORLD
     kw = dict(precision=p, output_format="bf16", device=device, dtype=torch.bfloat16)
     layer = FusedMLAQUpProjection(args.k, args.heads, NOPE, ROPE, tp_group=group, sequence_parallel=True, **kw)
+    over = FusedMLAQUpProjection(args.k, args.heads, NOPE, ROPE, tp_group=group, sequence_parallel=True,
+                                 tp_comm_overlap=True, **kw)
     ref = FusedMLAQUpProjection(args.k, args.heads, NOPE, ROPE, **kw)
     with torch.no_grad():
-        layer.weight.copy_(w_local)
-        layer.norm_weight.copy_(g)
-        ref.weight.copy_(w_full)
-        ref.norm_weight.copy_(g)
+        for m, w in ((layer, w_local), (over, w_local), (ref, w_full)):
+            m.weight.copy_(w)
+            m.norm_weight.copy_(g)
     xl, xf = x_local.clone().requires_grad_(True), x.clone().requires_grad_(True)
 
-    def fwd():
+    def fwd(m=layer):
         with torch.no_grad():
-            return layer(x_local, cos, sin)
+            return m(x_local, cos, sin)
 
     def fwd_tp1():
         with torch.no_grad():
@@ -171,6 +174,10 @@ def _bench_ours(p, T, args, device, w_local, w_full, g, x, x_local, cos, sin, dy
     wire = wire_bytes(p, args.k)
     rec(f"ours_{p}", "fwd", time_ms(fwd), wire)
     rec(f"ours_{p}", "fwdbwd", time_ms(lambda: layer(xl, cos, sin).backward(dy)), wire)
+    if not torch.equal(fwd(over).view(torch.int16), fwd().view(torch.int16)):
+        raise RuntimeError(f"{p}: the overlapped forward's query differs from the plain one's")
+    rec(f"ours_{p}_overlap", "fwd", time_ms(lambda: fwd(over)), wire)
+    rec(f"ours_{p}_overlap", "fwdbwd", time_ms(lambda: over(xl, cos, sin).backward(dy)), wire)
     rec(f"ours_{p}_tp1", "fwd", time_ms(fwd_tp1))
     rec(f"ours_{p}_tp1", "fwdbwd", time_ms(lambda: ref(xf, cos, sin).backward(dy_full)))
     n = wire["fwd gather"]

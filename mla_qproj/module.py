@@ -62,6 +62,10 @@ class FusedMLAQUpProjection(nn.Module):
             `weight` is the local shard [H/tp · D, K], `norm_weight` the full [K]).
         sequence_parallel: x is this rank's slice of the first dimension (Megatron's sequence parallelism); the
             query covers every token of the group. Needs tp_group.
+        tp_comm_overlap: with sequence_parallel, overlap the forward's all-gather with the GEMM (Megatron's
+            `tp_comm_overlap`): the fused GEMM first covers this rank's own tokens while the peers' travel, then
+            theirs, writing each rank's rows of the query in place. Same bytes as without; eager calls of the fused
+            kernel only (compiled graphs and other GEMM paths gather first). Default False.
 
     Shapes: x [..., K] (any leading layout) -> q [..., H, D] (H/tp local heads; under sequence parallelism the first
     dimension is tp times x's); cos/sin broadcast against [..., R] (or [..., R/2]) and position_ids against the
@@ -77,9 +81,10 @@ class FusedMLAQUpProjection(nn.Module):
                  rope_style: str = "deepseek", precision: str = "mxfp8", output_format: str = "mxfp8",
                  columnwise_output: bool = False, scale_mode: str = "rceil", block_scale: str = "pow2",
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, backend: str = "auto",
-                 tp_group=None, sequence_parallel: bool = False, device=None, dtype=None) -> None:
+                 tp_group=None, sequence_parallel: bool = False, tp_comm_overlap: bool = False, device=None,
+                 dtype=None) -> None:
         super().__init__()
-        self.par = Parallel.make(tp_group, sequence_parallel)
+        self.par = Parallel.make(tp_group, sequence_parallel, tp_comm_overlap)
         self.tp_size = 1 if self.par is None else self.par.world
         global_cfg = QProjConfig.make(q_lora_rank, num_heads, qk_head_dim, qk_pos_emb_head_dim, q_head_dim, eps,
                                       zero_centered_gamma, rope_style, precision, output_format, columnwise_output,
@@ -161,7 +166,8 @@ class FusedMLAQUpProjection(nn.Module):
                 eps = torch.finfo(nw.dtype).eps
             kwargs["eps"] = float(eps)
         # with tensor parallelism the linear is Megatron's column-parallel shard: its rows are this rank's heads
-        tp = Parallel.make(kwargs.get("tp_group"), kwargs.get("sequence_parallel", False))
+        tp = Parallel.make(kwargs.get("tp_group"), kwargs.get("sequence_parallel", False),
+                           kwargs.get("tp_comm_overlap", False))
         tp = 1 if tp is None else tp.world
         if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % tp or lw.shape[0] % (num_heads // tp):
             raise ValueError(f"linear out_features ({lw.shape[0]}) must be a multiple of the local head count "
@@ -188,6 +194,8 @@ class FusedMLAQUpProjection(nn.Module):
             s += f", block_scale={c.block_scale}"
         if self.par is not None:
             s += f", tp_size={self.tp_size}, local_heads={c.num_heads}, sequence_parallel={self.par.sequence_parallel}"
+            if self.par.overlap:
+                s += ", tp_comm_overlap=True"
         if c.columnwise_output:
             s += ", columnwise_output=True"
         if c.zero_centered_gamma:

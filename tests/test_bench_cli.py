@@ -38,7 +38,7 @@ def test_bench_tp_gloo_smoke(tmp_path):
                           "--precisions", "fp8_block,mxfp8,bf16"],
                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    for row in ("megatron_unfused", "ours_fp8_block", "ours_mxfp8_tp1", "gather_bf16"):
+    for row in ("megatron_unfused", "ours_fp8_block", "ours_fp8_block_overlap", "ours_mxfp8_tp1", "gather_bf16"):
         assert row in out.stdout, out.stdout
     assert "132, 132, 512" in out.stdout, "fp8_block at K = 128: 128 code bytes + one fp32 scale per token"
     assert (tmp_path / "r.jsonl").read_text().count("\n") == 1

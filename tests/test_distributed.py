@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from unittest import mock
 
 import pytest
 import torch
@@ -18,18 +19,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
+from mla_qproj import backend as _backend
 
 from _tolerances import REL_ERR_REDUCTION_ORDER, assert_bytes_equal, assert_rel_err
 
 K, H, NOPE, R = 128, 4, 32, 32
 D = NOPE + R
 
-# (precision, output_format, columnwise_output, sequence_parallel, backend)
-CASES = [(p, o, o == "mxfp8" and p != "bf16", sp, "torch")
+# (precision, output_format, columnwise_output, sequence_parallel, backend, tp_comm_overlap, rope_style)
+CASES = [(p, o, o == "mxfp8" and p != "bf16", sp, "torch", False, "deepseek")
          for p in ("bf16", "mxfp8", "fp8_block") for o in ("bf16", "mxfp8") for sp in (False, True)]
-# the Triton kernels (interpreter on the CPU) for one case per precision
-CASES += [("mxfp8", "mxfp8", True, True, "auto"), ("fp8_block", "bf16", False, True, "auto"),
-          ("bf16", "bf16", False, False, "auto")]
+# the Triton kernels (interpreter on the CPU) for one case per precision (R/2 = 16 deepseek pairs: the general
+# GEMM + RoPE kernel path), and the overlapped sequence-parallel forward (the fused GEMM over this rank's rows
+# first, then each peer's; gptj pairs: a geometry the fused kernel covers) for each precision
+CASES += [("mxfp8", "mxfp8", True, True, "auto", False, "deepseek"),
+          ("fp8_block", "bf16", False, True, "auto", False, "deepseek"),
+          ("bf16", "bf16", False, False, "auto", False, "deepseek"),
+          ("mxfp8", "mxfp8", True, True, "auto", True, "gptj"),
+          ("fp8_block", "mxfp8", True, True, "auto", True, "gptj"),
+          ("bf16", "bf16", False, True, "auto", True, "gptj")]
 
 
 def _free_port() -> int:
@@ -46,11 +54,12 @@ def _q_fields(q):
 
 
 def _check_case(rank: int, world: int, precision: str, output_format: str, columnwise: bool, sp: bool,
-                backend: str, dev: str = "cpu") -> None:
-    tag = f"[world={world} rank={rank} {precision}/{output_format} col={columnwise} sp={sp} {backend} {dev}]"
+                backend: str, overlap: bool, style: str, dev: str = "cpu") -> None:
+    tag = (f"[world={world} rank={rank} {precision}/{output_format} col={columnwise} sp={sp} overlap={overlap} "
+           f"{style} {backend} {dev}]")
     dev = torch.device(dev)
     kw = dict(precision=precision, output_format=output_format, columnwise_output=columnwise, backend=backend,
-              device=dev)
+              rope_style=style, device=dev)
     torch.manual_seed(1234)  # the same parameters and inputs on every rank
     full = FusedMLAQUpProjection(K, H, NOPE, R, **kw)
     with torch.no_grad():
@@ -59,7 +68,8 @@ def _check_case(rank: int, world: int, precision: str, output_format: str, colum
     x = torch.randn(s, b, K).to(dev)
     dy = torch.randn(s, b, H, D).to(dev)
     pos = torch.arange(s, device=dev)[:, None].expand(s, b)
-    tp = FusedMLAQUpProjection(K, H, NOPE, R, tp_group=dist.group.WORLD, sequence_parallel=sp, **kw)
+    tp = FusedMLAQUpProjection(K, H, NOPE, R, tp_group=dist.group.WORLD, sequence_parallel=sp,
+                               tp_comm_overlap=overlap, **kw)
     hl = H // world
     rows = slice(rank * hl * D, (rank + 1) * hl * D)
     with torch.no_grad():
@@ -72,7 +82,11 @@ def _check_case(rank: int, world: int, precision: str, output_format: str, colum
 
     sl = slice(rank * s // world, (rank + 1) * s // world)
     x_tp = (x[sl] if sp else x).clone().requires_grad_(True)
-    q_tp = tp(x_tp, position_ids=pos)
+    with mock.patch.object(_backend, "_forward_overlapped", wraps=_backend._forward_overlapped) as overlapped:
+        q_tp = tp(x_tp, position_ids=pos)
+    # the overlapped forward runs where it applies (the fused kernel, a peer), and only when asked for
+    want_overlap = overlap and backend != "torch" and world > 1
+    assert overlapped.call_count == want_overlap, f"{tag} overlapped forward ran {overlapped.call_count} times"
     assert q_tp.shape == (s, b, hl, D), f"{tag} query shape {tuple(q_tp.shape)}"
     heads = slice(rank * hl, (rank + 1) * hl)
     for f, t in _q_fields(q_tp).items():
@@ -175,13 +189,74 @@ def test_tensor_and_sequence_parallel_match_tp1(world, tmp_path):
 def test_nccl_path_world_size_one(tmp_path):
     """The NCCL code path (CUDA tensors, the compiled kernels, cuBLAS blockwise GEMMs) at the world size one GPU
     allows: sequence parallelism over one rank must give the tp = 1 bytes."""
-    cases = [(p, o, o == "mxfp8" and p != "bf16", True, "auto", "cuda") for p in ("bf16", "mxfp8", "fp8_block")
-             for o in ("bf16", "mxfp8")]
+    cases = [(p, o, o == "mxfp8" and p != "bf16", True, "auto", o == "mxfp8", "deepseek", "cuda")
+             for p in ("bf16", "mxfp8", "fp8_block") for o in ("bf16", "mxfp8")]
     try:
         mp.spawn(_worker, args=(1, _free_port(), cases, str(tmp_path), "nccl"), nprocs=1, join=True)
     except mp.ProcessRaisedException:
         errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
         pytest.fail(f"the rank failed:\n{errs}")
+
+
+def _fake_ring(wires: list, rank: int):
+    """A stand-in for `RingGather` in one process: yields the peers' wire tensors in the ring's arrival order."""
+
+    class FakeRing:
+        def __init__(self, tensors, par):
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(tensors, wires[rank], strict=True)), "this rank's wire tensors"
+
+        def __iter__(self):
+            for s in range(1, len(wires)):
+                j = (rank - s) % len(wires)
+                yield j, wires[j]
+
+    return FakeRing
+
+
+# (precision, output_format, columnwise_output); CPU: interpreter at a small shape, GPU: compiled at DeepSeek-V3's
+OVERLAP_CASES = [("mxfp8", "mxfp8", True), ("fp8_block", "bf16", False), ("fp8_block", "mxfp8", True),
+                 ("bf16", "bf16", False)]
+
+
+@pytest.mark.parametrize("precision,fmt,col", OVERLAP_CASES)
+def test_overlapped_forward_in_one_process(precision, fmt, col, device):
+    """The overlapped sequence-parallel forward of every rank of a group of 3 (CPU) or 4 (GPU), run in one process
+    with the peers' gathered tensors handed in the ring's order: the kernels' side of `tp_comm_overlap` (each
+    rank's launch into its rows of the query, the wire tensors decoded per rank) gives the bytes of one forward over
+    all tokens. The gloo tests above cover the ring itself."""
+    from mla_qproj._config import QProjConfig
+    from mla_qproj.distributed import Parallel
+    from mla_qproj.recipes import get_recipe
+
+    if device.type == "cuda":
+        (k, h, p, r, d), world, n = (1536, 32, 128, 64, 192), 4, 4096
+    else:
+        (k, h, p, r, d), world, n = (128, 2, 32, 64, 96), 3, 32
+    cfg = QProjConfig.make(k, h, p, r, d, output_format=fmt, columnwise_output=col, precision=precision)
+    T = n * world
+    x = torch.randn(T, k, device=device, dtype=torch.bfloat16)
+    nw = (1 + 0.2 * torch.randn(k, device=device)).to(torch.bfloat16)
+    w = (torch.randn(cfg.out_features, k, device=device) * k**-0.5).to(torch.bfloat16)
+    ang = torch.rand(T, r // 2, device=device) * 6
+    cos_h, sin_h = ang.cos(), ang.sin()
+    pw = _backend.prepare_weight(w, cfg, True, (), _backend.fused_row_source(cfg))
+    assert pw.get("fused") is not None, "the fused kernel covers this geometry"
+    recipe = get_recipe(precision)
+    whole = _backend.forward(x, nw, pw, cos_h, sin_h, cfg, True, save=False)[0]
+    wires = [recipe.wire_input(recipe.norm_quant(x[j * n:(j + 1) * n], nw, cfg, True, False)[1], cfg, True)
+             for j in range(world)]
+    for rank in range(world):
+        par = Parallel(None, world, rank, True, True)
+        with (mock.patch.object(_backend, "RingGather", _fake_ring(wires, rank)),
+              mock.patch.object(_backend, "_forward_overlapped", wraps=_backend._forward_overlapped) as over):
+            got = _backend.forward(x[rank * n:(rank + 1) * n], nw, pw, cos_h, sin_h, cfg, True, save=False,
+                                   par=par)[0]
+        assert over.call_count == 1, "the overlapped forward ran"
+        for i, (g, want) in enumerate(zip(got, whole, strict=True)):
+            assert (g is None) == (want is None), f"rank {rank} output {i}"
+            if g is not None:
+                assert_bytes_equal(g, want, f"rank {rank} output {i}")
 
 
 def test_construction_errors():
@@ -191,3 +266,7 @@ def test_construction_errors():
         FusedMLAQUpProjection(K, H, NOPE, R, sequence_parallel="yes")
     with pytest.raises((ValueError, TypeError), match="tp_group"):
         FusedMLAQUpProjection(K, H, NOPE, R, tp_group=object())
+    with pytest.raises(TypeError, match="tp_comm_overlap"):
+        FusedMLAQUpProjection(K, H, NOPE, R, tp_comm_overlap="yes")
+    with pytest.raises(ValueError, match="tp_comm_overlap=True needs sequence_parallel"):
+        FusedMLAQUpProjection(K, H, NOPE, R, tp_group=object(), tp_comm_overlap=True)

@@ -733,10 +733,35 @@ def qproj_gemm_outputs(T: int, cfg: QProjConfig, like: torch.Tensor) -> tuple:
     return rd, rs, cd, cs
 
 
+def output_rows(outs: tuple, t0: int, t1: int) -> tuple:
+    """Views of tokens [t0, t1) of `qproj_gemm_outputs` (the columnwise scale's rows are 32-token blocks: t0 and t1
+    multiples of 32 there, or t1 the end), themselves a valid `out` for those tokens' launch."""
+    if len(outs) == 1:
+        return (outs[0][t0:t1],)
+    rd, rs, cd, cs = outs
+    if cd is None:
+        return rd[t0:t1], rs[t0:t1], None, None
+    if t0 % _MX or (t1 % _MX and t1 != rd.shape[0]):
+        raise ValueError(f"columnwise outputs split at multiples of {_MX} tokens only, got [{t0}, {t1})")
+    return rd[t0:t1], rs[t0:t1], cd[t0:t1], cs[t0 // _MX:cdiv(t1, _MX)]
+
+
+def _check_out(out, T: int, cfg: QProjConfig, like: torch.Tensor) -> None:
+    want = qproj_gemm_outputs(T, cfg, like.new_empty(0, device="meta"))
+    if not isinstance(out, tuple) or len(out) != len(want):
+        raise TypeError(f"out must be a tuple of {len(want)} tensors as qproj_gemm_outputs lays them out")
+    for i, (t, w) in enumerate(zip(out, want, strict=True)):
+        if w is None:
+            if t is not None:
+                raise ValueError(f"out[{i}] must be None for this config (no columnwise output)")
+        else:  # contiguous: the rows of a larger output are, other strides are not
+            _check_tensor(f"out[{i}]", t, w.dtype, tuple(w.shape), like.device)
+
+
 def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor,
                    cfg: QProjConfig, *, a_scale_inv: torch.Tensor | None = None,
                    w_scale_inv: torch.Tensor | None = None, check: bool = True,
-                   config: GemmConfig | None = None) -> tuple:
+                   config: GemmConfig | None = None, out: tuple | None = None) -> tuple:
     """q = RoPE(a · Wᵀ) viewed [T, H, D], then quantized exactly as `reference.qproj.quantize_output`.
 
     Args:
@@ -753,16 +778,20 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
             tens of microseconds of host work per call).
         config: launch parameters (default: `default_config(T, a.device, cfg, operands)`); every config gives the
             same bytes.
+        out: the outputs to write, laid out as `qproj_gemm_outputs(T, cfg, a)` (e.g. `output_rows` of a larger
+            one: the sequence-parallel forward writes each rank's tokens into its rows of the query); default new.
     Returns:
-        `qproj_gemm_outputs(T, cfg, a)`, written.
+        `qproj_gemm_outputs(T, cfg, a)` (or out), written.
     """
     operands = "bf16" if a_scale_inv is None else "fp8_block"
     if check:
         _check_inputs(a, w_prepared, cos_h, sin_h, cfg, a_scale_inv, w_scale_inv, config)
+        if out is not None:
+            _check_out(out, a.shape[0], cfg, a)
     elif config is not None:
         _check_config(config, cfg, operands)
     T, K = a.shape
-    outs = qproj_gemm_outputs(T, cfg, a)
+    outs = qproj_gemm_outputs(T, cfg, a) if out is None else out
     if T == 0:
         return outs
     dev = a.device

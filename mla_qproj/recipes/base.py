@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from .._config import QProjConfig
-from ..distributed import Parallel, gather_rows
+from ..distributed import Gather, Parallel, gather_rows, start_gather, wait_gathered
 
 Operands = tuple  # of tensors; the layout is the recipe's
 
@@ -84,12 +84,36 @@ class Recipe:
         """out [len(cols), K] = g_col^T · xn (rounded once to out's dtype), or += when accumulate (main_grad)."""
         raise NotImplementedError
 
-    # ---- sequence parallelism: the tensors that cross ranks. Defaults: every operand is token-major ([T, ...]).
+    def fused_launch(self, a: Operands, pw: PreparedWeight, cos_h: torch.Tensor, sin_h: torch.Tensor,
+                     cfg: QProjConfig, out: tuple, config) -> None:
+        """The fused GEMM (`pw` holds "fused") on the Triton path, writing into out (`qproj_gemm_outputs`' layout, or
+        row slices of it) with the launch config `config`: what the overlapped sequence-parallel forward runs per
+        rank's rows."""
+        raise NotImplementedError
+
+    # ---- sequence parallelism: the tensors that cross ranks. A gather is started, and its result read later, so
+    # that work not reading it runs while it travels. Defaults: every operand is token-major ([T, ...]) and travels
+    # as it is.
+
+    def wire_input(self, a: Operands, cfg: QProjConfig, use_triton: bool) -> tuple[torch.Tensor, ...]:
+        """What crosses the ranks of this rank's GEMM input a: tensors whose first dimension is gathered."""
+        return a
+
+    def input_from_wire(self, w: tuple[torch.Tensor, ...], ranks: int, cfg: QProjConfig, use_triton: bool) -> Operands:
+        """The GEMM input of the tokens of `ranks` consecutive ranks from their `wire_input` tensors, each rank's
+        stacked along the first dimension in rank order (an all-gather's layout)."""
+        return w
 
     def gather_input(self, a: Operands, par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
         """The GEMM input of every rank's tokens, in rank order."""
-        return tuple(gather_rows(t, par) for t in a)
+        w = tuple(gather_rows(t, par) for t in self.wire_input(a, cfg, use_triton))
+        return self.input_from_wire(w, par.world, cfg, use_triton)
 
-    def gather_saved(self, saved: Operands, par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
-        """What wgrad reads of xn, for every rank's tokens."""
-        return tuple(gather_rows(t, par) for t in saved)
+    def start_gather_saved(self, saved: Operands, par: Parallel, cfg: QProjConfig,
+                           use_triton: bool) -> tuple[Gather, ...]:
+        """Start the all-gather of what wgrad reads of xn."""
+        return tuple(start_gather(t, par) for t in saved)
+
+    def gathered_saved(self, g: tuple[Gather, ...], par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
+        """What wgrad reads of xn, for every rank's tokens (from g = `start_gather_saved`)."""
+        return tuple(wait_gathered(t) for t in g)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._config import FP8_BLOCK, QProjConfig
-from ..distributed import Parallel, gather_cols, gather_rows
+from ..distributed import Parallel, rows_to_cols, wait_gathered
 from ..reference import fp8_block as ref8
 from ..reference import qproj as ref
 from .base import PreparedWeight, Recipe
@@ -91,18 +91,24 @@ class FP8Block(Recipe):
             y = ref8.block_scaled_mm(ad, asv.t(), pw["wq"], pw["ws"], 1, FP8_BLOCK)
         return rope_epilogue(y, cos_h, sin_h, cfg)
 
-    def gather_input(self, a, par: Parallel, cfg: QProjConfig, use_triton: bool):
-        ad, asv = a
-        if not use_triton:  # reference layout: scale_inv [T, K/128], token-major
-            return gather_rows(ad, par), gather_rows(asv, par)
-        return gather_rows(ad, par), gather_cols(asv, par)  # M-major [K/128, T]: tokens on the inner axis
+    def fused_launch(self, a, pw, cos_h, sin_h, cfg, out, config):
+        from ..kernels.qproj_gemm import qproj_gemm_fwd
 
-    def gather_saved(self, saved, par: Parallel, cfg: QProjConfig, use_triton: bool):
-        cd, cs = saved
-        if not use_triton:  # reference layout: codes [T, K]
-            return gather_rows(cd, par), gather_rows(cs, par)
-        # transposed codes [K, T_local] (T_local a multiple of 128: no padding) and scale_inv [T_local/128, K]
-        return gather_cols(cd, par), gather_rows(cs, par)
+        ad, asv = a
+        qproj_gemm_fwd(ad, pw["fused"], cos_h, sin_h, cfg, a_scale_inv=asv, w_scale_inv=pw["fused_sinv"],
+                       check=False, config=config, out=out)
+
+    # sequence parallelism: the Triton path's token-inner tensors (the input's M-major scale_inv [K/128, T], the
+    # saved transposed codes [K, T]) are gathered as rank-major rows and re-laid out; the reference's are token-major
+
+    def input_from_wire(self, w, ranks: int, cfg: QProjConfig, use_triton: bool):
+        codes, sinv = w  # Triton: sinv of `ranks` ranks as rank-major rows [ranks * K/128, n]
+        return (codes, rows_to_cols(sinv, ranks)) if use_triton else (codes, sinv)
+
+    def gathered_saved(self, g, par: Parallel, cfg: QProjConfig, use_triton: bool):
+        cd, cs = wait_gathered(g[0]), wait_gathered(g[1])
+        # Triton: transposed codes [K, T_local] (T_local a multiple of 128: no padding) and scale_inv [T_local/128, K]
+        return (rows_to_cols(cd, par.world) if use_triton else cd), cs
 
     # -------------------------------------------------------------------------------------------- backward
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from .._config import QProjConfig
-from ..distributed import Parallel, gather_rows
 from ..reference import mxfp8 as ref_mx
 from ..reference import qproj as ref
 from ..reference.rope import apply_rope
@@ -78,6 +77,11 @@ class ImageRecipe(Recipe):
             return query_outputs(*outs, T, cfg)
         return rope_epilogue(mm_fp32(a, pw["fwd"].t()), cos_h, sin_h, cfg)
 
+    def fused_launch(self, a, pw, cos_h, sin_h, cfg, out, config):
+        from ..kernels.qproj_gemm import qproj_gemm_fwd
+
+        qproj_gemm_fwd(a[0], pw["fused"], cos_h, sin_h, cfg, check=False, config=config, out=out)
+
     def dgrad(self, g_row, pw, cols, cfg, use_triton, dxn):
         (g,) = g_row
         w = pw["bwd"][cols]
@@ -133,14 +137,17 @@ class MXFP8(ImageRecipe):
         rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_weight, encoded(cfg), save)
         return rsigma, (a,), (xcd, xcs) if save else ()
 
-    def gather_input(self, a, par: Parallel, cfg: QProjConfig, use_triton: bool):
-        # the GEMM input is the exact image of xn's rowwise MXFP8; it crosses the ranks as MXFP8 (codes and scale
-        # bytes: about half the bytes of bf16) and is decoded again. Re-encoding an MXFP8 image with its own scale
-        # mode is lossless (the image's values are on the E4M3 grid times its block's power of two), so every rank
-        # multiplies the same image as the tp = 1 layer
-        (img,) = a
-        codes, scale = ref_mx.quantize_rowwise(img, cfg.scale_mode)
-        return (ref_mx.dequantize_rowwise(gather_rows(codes, par), gather_rows(scale, par), img.dtype),)
+    # the GEMM input is the exact image of xn's rowwise MXFP8; it crosses the ranks as MXFP8 (codes and scale bytes:
+    # about half the bytes of bf16) and is decoded again. Re-encoding an MXFP8 image with its own scale mode is
+    # lossless (the image's values are on the E4M3 grid times its block's power of two), so every rank multiplies
+    # the same image as the tp = 1 layer
+
+    def wire_input(self, a, cfg: QProjConfig, use_triton: bool):
+        return ref_mx.quantize_rowwise(a[0], cfg.scale_mode)
+
+    def input_from_wire(self, w, ranks: int, cfg: QProjConfig, use_triton: bool):
+        # the image's dtype: bf16 for the kernels, fp32 for the reference (as norm_quant makes them)
+        return (ref_mx.dequantize_rowwise(*w, torch.bfloat16 if use_triton else torch.float32),)
 
     def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
         if not use_triton:

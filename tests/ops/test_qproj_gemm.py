@@ -49,9 +49,11 @@ from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane
     fused_half_width,
     fused_layout,
     fused_row_source,
+    output_rows,
     prepare_fused_weight,
     prepare_fused_weight_fp8,
     qproj_gemm_fwd,
+    qproj_gemm_outputs,
     tma_store_supported,
 )
 
@@ -611,7 +613,72 @@ def test_gemm_custom_ops(operands, fmt, col, device):
     torch.library.opcheck(op.op, op_args, test_utils=utils)
 
 
+# ------------------------------------------------------------------ writing row slices (the overlapped SP forward)
+
+
+OUT_ROWS = [("bf16", "mxfp8", True), ("bf16", "bf16", False), ("fp8_block", "mxfp8", True),
+            ("fp8_block", "mxfp8", False), ("fp8_block", "bf16", False)]
+
+
+@pytest.mark.parametrize("operands,fmt,col", OUT_ROWS)
+def test_out_rows_same_bytes(operands, fmt, col, device, size=None):
+    """Launches over token ranges written into `output_rows` of one preallocated output, in the order the
+    overlapped sequence-parallel forward uses (a middle range first, then the others; the last range partial), with
+    the whole T's config: the bytes of one launch over all T."""
+    if size is None:
+        T, edges, geo = 112, [(32, 64), (0, 32), (64, 96), (96, 112)], (64 if operands == "bf16" else 128, 3, 128, 64,
+                                                                         192)
+    else:
+        T, geo = size, tuple(DEEPSEEK.values())
+        edges = [(T // 4, T // 2), (0, T // 4), (T // 2, 3 * T // 4), (3 * T // 4, T)]
+    cfg = _cfg(*geo, "gptj" if size is None and operands == "bf16" else "deepseek", fmt, col)
+    if operands == "bf16":
+        a, w, c, s, _ = _case(T, cfg, device)
+        wp, scales = prepare_fused_weight(w, cfg), {}
+    else:
+        (a, wp, c, s, _), scales, _ = _fp8_case(T, cfg, device)
+    whole = qproj_gemm_fwd(a, wp, c, s, cfg, **scales)
+    config = default_config(T, device, cfg, operands)
+    out = qproj_gemm_outputs(T, cfg, a)
+    for t0, t1 in edges:
+        sc = {} if not scales else dict(scales, a_scale_inv=scales["a_scale_inv"][:, t0:t1].contiguous())
+        rows = output_rows(out, t0, t1)
+        assert qproj_gemm_fwd(a[t0:t1], wp, c[t0:t1], s[t0:t1], cfg, **sc, config=config, out=rows) is rows
+    assert len(out) == len(whole)
+    for i, (o, w_) in enumerate(zip(out, whole, strict=True)):
+        if w_ is None:
+            assert o is None
+        else:
+            assert_bytes_equal(o, w_, f"output {i}")
+
+
+def test_out_errors(device):
+    cfg = _cfg(64, 2, 128, 64, 192, "deepseek", "mxfp8", True)
+    a, w, c, s, _ = _case(64, cfg, device)
+    wp = prepare_fused_weight(w, cfg)
+    out = qproj_gemm_outputs(64, cfg, a)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        output_rows(out, 16, 48)
+    with pytest.raises(ValueError, match=r"out\[0\] must be \[32, 2, 192\]"):
+        qproj_gemm_fwd(a[:32], wp, c[:32], s[:32], cfg, out=out)
+    with pytest.raises(TypeError, match="tuple of 4"):
+        qproj_gemm_fwd(a, wp, c, s, cfg, out=out[:1])
+    no_col = _cfg(64, 2, 128, 64, 192, "deepseek", "mxfp8", False)
+    with pytest.raises(ValueError, match=r"out\[2\] must be None"):
+        qproj_gemm_fwd(a, prepare_fused_weight(w, no_col), c, s, no_col, out=out)
+    with pytest.raises(ValueError, match="contiguous"):
+        qproj_gemm_fwd(a, wp, c, s, cfg, out=(out[0].transpose(0, 1).contiguous().transpose(0, 1), *out[1:]))
+
+
 # --------------------------------------------------------------------------------------------- GPU lane
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operands,fmt,col", OUT_ROWS)
+def test_out_rows_same_bytes_deepseek_v3(operands, fmt, col, device):
+    """`test_out_rows_same_bytes` at the DeepSeek-V3 geometry and T = 16384 (the config of T >= TMA_STORE_MIN_T:
+    TMA stores into the row ranges where the geometry has them)."""
+    test_out_rows_same_bytes(operands, fmt, col, device, size=16384)
 
 
 @pytest.mark.gpu
