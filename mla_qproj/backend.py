@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._config import QProjConfig, interpreter_enabled
+from ._constants import MX_BLOCK
 from .distributed import Parallel, RingGather, all_reduce_sum, reduce_scatter_rows
 from .recipes import PreparedWeight, get_recipe
 from .reference import qproj as ref
@@ -72,7 +73,7 @@ def overlap_ok(n: int, pw: PreparedWeight, cfg: QProjConfig, use_triton: bool, p
     place; traced graphs keep the functional all-gather), there is a peer, and rank edges fall on columnwise output
     blocks."""
     return (par.overlap and par.world > 1 and n > 0 and use_triton and pw.get("fused") is not None
-            and not (cfg.columnwise_output and n % 32) and not torch.compiler.is_compiling())
+            and not (cfg.columnwise_output and n % MX_BLOCK) and not torch.compiler.is_compiling())
 
 
 def _forward_overlapped(recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, par: Parallel) -> tuple:
@@ -80,7 +81,7 @@ def _forward_overlapped(recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjC
     this rank's own tokens while the first peer's travel, then each peer's tokens as they arrive while the next
     peer's travel, every launch writing its rows of the query. Every launch uses the config of the whole gathered
     token count, so the bytes are those of one launch over all tokens (a row's result depends on that row only)."""
-    from .kernels.qproj_gemm import default_config, output_rows, qproj_gemm_outputs
+    from .kernels.qproj_gemm import _eager_outputs, default_config, output_rows, qproj_gemm_outputs
 
     ring = RingGather(recipe.wire_input(a, cfg, True), par)
     n = a[0].shape[0]
@@ -95,7 +96,7 @@ def _forward_overlapped(recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjC
     launch(par.rank, a)
     for j, wire in ring:
         launch(j, recipe.input_from_wire(wire, 1, cfg, True))
-    return outs + (None,) * (4 - len(outs))
+    return _eager_outputs(outs)
 
 
 # T * N at or above which the backward walks the heads in groups (2, then 4 past 4x this): the [T, N] gradient

@@ -239,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(json.dumps({"run": datetime.datetime.now().isoformat(timespec="seconds") + " bench_tp",
                                      "settings": {k: v for k, v in vars(args).items()}, "results": rows},
                                     separators=(",", ":")) + "\n")
+    dist.barrier()  # every rank done before any tears the group down (gloo aborts a peer still sending)
     dist.destroy_process_group()
     return 0
 

@@ -7,6 +7,8 @@ needs, through torch.distributed only (NCCL on CUDA, gloo on CPU).
   *quantized* xn (codes and scales: about half the bytes of a bf16 all-gather of x) and the GEMM covers every token;
   the backward reduce-scatters dxn back to the local tokens and all-gathers the saved columnwise xn for the weight
   gradient (the columnwise blocks never straddle two ranks: the local token count is a multiple of the block).
+  Token-inner tensors (the transposed columnwise codes, fp8_block's M-major scales) are gathered as rank-major rows
+  and re-laid out (`rows_to_cols`).
 
 Collectives go through torch.distributed's functional collectives, which eager mode runs as usual and torch.compile
 traces into its graph. Quantized codes travel as raw bytes (uint8 views), reductions in fp32. A gather is started
@@ -34,6 +36,9 @@ class Parallel:
     rank: int
     sequence_parallel: bool
     overlap: bool = False  # sequence parallel forward: the GEMM starts on this rank's rows while the rest travel
+    # several collectives may be in flight at once: NCCL queues them on its stream; gloo does not allow it (two
+    # functional all-gathers in flight corrupt the heap under torch 2.13: `start_gathers`)
+    concurrent: bool = False
 
     @staticmethod
     def make(tp_group, sequence_parallel: bool, overlap: bool = False) -> Parallel | None:
@@ -56,7 +61,8 @@ class Parallel:
         world = dist.get_world_size(tp_group)
         if world == 1 and not sequence_parallel:
             return None
-        return Parallel(tp_group, world, dist.get_rank(tp_group), sequence_parallel, overlap)
+        return Parallel(tp_group, world, dist.get_rank(tp_group), sequence_parallel, overlap,
+                        dist.get_backend(tp_group) == "nccl")
 
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives (`*_single`) and deprecates the old names; 2.11 has only those
@@ -74,6 +80,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
+def _from_bytes(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `_as_bytes`: the uint8 tensor t viewed as dtype."""
+    return t.view(dtype) if dtype != torch.uint8 else t
+
+
 class Gather(NamedTuple):
     """An all-gather in flight (`start_gather`): the gathered bytes, not yet waited on, and the dtype they hold."""
 
@@ -87,10 +98,19 @@ def start_gather(t: torch.Tensor, par: Parallel) -> Gather:
 
 
 def wait_gathered(g: Gather) -> torch.Tensor:
-    """The result of `start_gather`: [world * n, ...] in the gathered tensor's dtype (waits once; later calls only
-    read it)."""
-    out = _wait(g.data)
-    return out.view(g.dtype) if g.dtype != torch.uint8 else out
+    """The result of `start_gather`: [world * n, ...] in the gathered tensor's dtype."""
+    return _from_bytes(_wait(g.data), g.dtype)
+
+
+def start_gathers(ts, par: Parallel) -> tuple[Gather, ...]:
+    """Start the all-gathers of the tensors ts: all at once where collectives may run concurrently (NCCL), else one
+    at a time with only the last left in flight."""
+    gs: list[Gather] = []
+    for t in ts:
+        if gs and not par.concurrent:
+            gs[-1] = Gather(_wait(gs[-1].data), gs[-1].dtype)
+        gs.append(start_gather(t, par))
+    return tuple(gs)
 
 
 def gather_rows(t: torch.Tensor, par: Parallel) -> torch.Tensor:
@@ -102,12 +122,6 @@ def rows_to_cols(g: torch.Tensor, world: int) -> torch.Tensor:
     """Gathered rows [world * m, n] (rank j's [m, n] block j) -> [m, world * n]: an all-gather along dim 1."""
     m, n = g.shape[0] // world, g.shape[1]
     return g.view(world, m, n).permute(1, 0, 2).reshape(m, world * n)
-
-
-def gather_cols(t: torch.Tensor, par: Parallel) -> torch.Tensor:
-    """All-gather t [m, n] along dim 1 in rank order -> [m, world * n] (the transposed columnwise FP8 codes, whose
-    token axis is the inner one): gathered as rows, then re-laid out once."""
-    return rows_to_cols(gather_rows(t, par), par.world)
 
 
 def all_reduce_sum(t: torch.Tensor, par: Parallel) -> torch.Tensor:
@@ -157,4 +171,4 @@ class RingGather:
             got = self._chunk(j)
             if s < world - 1:  # forward what just arrived while the consumer works on it
                 self.work = self._step(got, (r - s - 1) % world)
-            yield j, tuple(t.view(d) if d != torch.uint8 else t for t, d in zip(got, self.dtypes, strict=True))
+            yield j, tuple(_from_bytes(t, d) for t, d in zip(got, self.dtypes, strict=True))

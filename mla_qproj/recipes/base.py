@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from .._config import QProjConfig
-from ..distributed import Gather, Parallel, gather_rows, start_gather, wait_gathered
+from ..distributed import Gather, Parallel, gather_rows, start_gathers, wait_gathered
 
 Operands = tuple  # of tensors; the layout is the recipe's
 
@@ -112,7 +112,7 @@ class Recipe:
     def start_gather_saved(self, saved: Operands, par: Parallel, cfg: QProjConfig,
                            use_triton: bool) -> tuple[Gather, ...]:
         """Start the all-gather of what wgrad reads of xn."""
-        return tuple(start_gather(t, par) for t in saved)
+        return start_gathers(saved, par)
 
     def gathered_saved(self, g: tuple[Gather, ...], par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
         """What wgrad reads of xn, for every rank's tokens (from g = `start_gather_saved`)."""

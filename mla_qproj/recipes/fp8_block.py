@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._config import FP8_BLOCK, QProjConfig
-from ..distributed import Parallel, rows_to_cols, wait_gathered
+from ..distributed import Parallel, rows_to_cols
 from ..reference import fp8_block as ref8
 from ..reference import qproj as ref
 from .base import PreparedWeight, Recipe
@@ -106,7 +106,7 @@ class FP8Block(Recipe):
         return (codes, rows_to_cols(sinv, ranks)) if use_triton else (codes, sinv)
 
     def gathered_saved(self, g, par: Parallel, cfg: QProjConfig, use_triton: bool):
-        cd, cs = wait_gathered(g[0]), wait_gathered(g[1])
+        cd, cs = super().gathered_saved(g, par, cfg, use_triton)
         # Triton: transposed codes [K, T_local] (T_local a multiple of 128: no padding) and scale_inv [T_local/128, K]
         return (rows_to_cols(cd, par.world) if use_triton else cd), cs
 

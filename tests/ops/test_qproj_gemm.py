@@ -620,18 +620,14 @@ OUT_ROWS = [("bf16", "mxfp8", True), ("bf16", "bf16", False), ("fp8_block", "mxf
             ("fp8_block", "mxfp8", False), ("fp8_block", "bf16", False)]
 
 
-@pytest.mark.parametrize("operands,fmt,col", OUT_ROWS)
-def test_out_rows_same_bytes(operands, fmt, col, device, size=None):
-    """Launches over token ranges written into `output_rows` of one preallocated output, in the order the
-    overlapped sequence-parallel forward uses (a middle range first, then the others; the last range partial), with
-    the whole T's config: the bytes of one launch over all T."""
-    if size is None:
-        T, edges, geo = 112, [(32, 64), (0, 32), (64, 96), (96, 112)], (64 if operands == "bf16" else 128, 3, 128, 64,
-                                                                         192)
-    else:
-        T, geo = size, tuple(DEEPSEEK.values())
-        edges = [(T // 4, T // 2), (0, T // 4), (T // 2, 3 * T // 4), (3 * T // 4, T)]
-    cfg = _cfg(*geo, "gptj" if size is None and operands == "bf16" else "deepseek", fmt, col)
+def _check_out_rows(operands, fmt, col, device, T, geo, style):
+    """Launches over four token ranges written into `output_rows` of one preallocated output, in the order the
+    overlapped sequence-parallel forward uses (a middle range first, then the others; the last range shorter when
+    T is not a multiple of 4 · 32, and ending in a partial block), with the whole T's config: the bytes of one launch over all T."""
+    q = -(-T // 128) * 32  # a quarter of T rounded up to whole 32-token blocks
+    edges = [(q, 2 * q), (0, q), (2 * q, 3 * q), (3 * q, T)]
+    assert all(t0 < t1 for t0, t1 in edges), edges
+    cfg = _cfg(*geo, style, fmt, col)
     if operands == "bf16":
         a, w, c, s, _ = _case(T, cfg, device)
         wp, scales = prepare_fused_weight(w, cfg), {}
@@ -650,6 +646,13 @@ def test_out_rows_same_bytes(operands, fmt, col, device, size=None):
             assert o is None
         else:
             assert_bytes_equal(o, w_, f"output {i}")
+
+
+@pytest.mark.parametrize("operands,fmt,col", OUT_ROWS)
+def test_out_rows_same_bytes(operands, fmt, col, device):
+    """`_check_out_rows` at T = 112 (ranges of 32, 32, 32, 16 tokens); gptj pairs for bf16 operands."""
+    geo = (64 if operands == "bf16" else 128, 3, 128, 64, 192)
+    _check_out_rows(operands, fmt, col, device, 112, geo, "gptj" if operands == "bf16" else "deepseek")
 
 
 def test_out_errors(device):
@@ -676,9 +679,9 @@ def test_out_errors(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("operands,fmt,col", OUT_ROWS)
 def test_out_rows_same_bytes_deepseek_v3(operands, fmt, col, device):
-    """`test_out_rows_same_bytes` at the DeepSeek-V3 geometry and T = 16384 (the config of T >= TMA_STORE_MIN_T:
+    """`_check_out_rows` at the DeepSeek-V3 geometry and T = 16384 (the config of T >= TMA_STORE_MIN_T:
     TMA stores into the row ranges where the geometry has them)."""
-    test_out_rows_same_bytes(operands, fmt, col, device, size=16384)
+    _check_out_rows(operands, fmt, col, device, 16384, tuple(DEEPSEEK.values()), "deepseek")
 
 
 @pytest.mark.gpu
