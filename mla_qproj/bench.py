@@ -9,11 +9,13 @@ Rows per T (all in one process, same inputs):
   cublas_bf16_gemm              x @ w.t() alone: every forward row's "t/cuBLAS" is its time over this one
   cublas_fp8_tensorwise_gemm    torch._scaled_mm, per-tensor scales, bf16 out (the FP8 rate with no block scales)
   cublas_fp8_blockwise_gemm     torch._scaled_mm, 1x128 (x) x 128x128 (W) blocks, bf16 out: the block-FP8 GEMM alone
+  cute_fp8_rope_gemm            the CuTe DSL engine's block-FP8 GEMM with the RoPE epilogue alone, same operands
   compiled_unfused_mxfp8        torch.compile(RMSNorm fp32 -> bf16 Linear -> DeepSeek RoPE -> MXFP8 rowwise quant)
   unfused_fp8_block             what a TransformerEngine + Megatron user runs for block FP8: torch.compile(RMSNorm ->
                                 1x128 quantize), cuBLAS blockwise GEMM with bf16 output, then a compiled RoPE in place
                                 on the rope columns only (as Megatron's fused_apply_mla_rope_for_q)
-  ours_*                        FusedMLAQUpProjection forward, one knob changed per variant
+  ours_*                        FusedMLAQUpProjection forward, one knob changed per variant (*_triton: fp8_block with
+                                the CuTe DSL engine off, MLA_QPROJ_CUTE=0: the Triton kernels)
   ours_*_cudagraph              the same forward replayed from a CUDA graph (no per-call host work: the GPU time)
   compiled_unfused_bf16_fwdbwd  torch.compile(RMSNorm -> bf16 Linear -> DeepSeek RoPE), forward + backward
   ours_*_fwdbwd                 ours forward + backward
@@ -73,6 +75,7 @@ VARIANTS = {
     "mxfp8_bf16_out": {"output_format": "bf16"},
     "bf16_gemm": {"precision": "bf16"},
     "fp8_block": {"precision": "fp8_block", "output_format": "bf16"},
+    "fp8_block_triton": {"precision": "fp8_block", "output_format": "bf16"},  # run with MLA_QPROJ_CUTE=0
     "fp8_block_mxfp8_out": {"precision": "fp8_block", "output_format": "mxfp8"},
 }
 
@@ -167,6 +170,22 @@ def blockwise_gemm(a, sa, wq, ws) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- rows
 
 
+def triton_engine(fn: Callable) -> Callable:
+    """fn with the CuTe DSL engine switched off (MLA_QPROJ_CUTE=0) for its calls: the Triton kernels' figures."""
+    def call():
+        old = os.environ.get("MLA_QPROJ_CUTE")
+        os.environ["MLA_QPROJ_CUTE"] = "0"
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ["MLA_QPROJ_CUTE"]
+            else:
+                os.environ["MLA_QPROJ_CUTE"] = old
+
+    return call
+
+
 def make_rows(layers: dict, compile_mode: str) -> list[Row]:
     """All rows; `layers` maps variant name -> FusedMLAQUpProjection (or an exception if ours is unavailable)."""
     c_mx = torch.compile(unfused_mxfp8, dynamic=False, mode=compile_mode)
@@ -185,6 +204,8 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
             layer = layer_of(variant)
             if variant.endswith("_posids"):
                 return (lambda: layer(c["x"], position_ids=c["pos"])), []
+            if variant.endswith("_triton"):  # the Triton engine of the same layer (the CuTe DSL engine disabled)
+                return triton_engine(lambda: layer(c["x"], c["cos"], c["sin"])), []
             return (lambda: layer(c["x"], c["cos"], c["sin"])), []
 
         return build
@@ -213,7 +234,7 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
             def fn():
                 layer(xr, c["cos"], c["sin"]).backward(c["dy"])  # an MXFP8Tensor takes the dense gradient too
 
-            return fn, [xr, layer.weight, layer.norm_weight]
+            return (triton_engine(fn) if variant.endswith("_triton") else fn), [xr, layer.weight, layer.norm_weight]
 
         return build
 
@@ -233,6 +254,18 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         a, sa = quantize_blocks_pow2(c["x"].float(), 1, 128)
         return (lambda: blockwise_gemm(a, sa, c["wq"], c["ws"])), []
 
+    def cute_gemm(c):
+        """The CuTe DSL engine's GEMM + RoPE epilogue alone, on the same operands as cublas_fp8_blockwise_gemm."""
+        from ._config import QProjConfig
+        from .kernels.cute import fp8_gemm
+
+        cfg = QProjConfig(K, H, NOPE, ROPE, D, precision="fp8_block", output_format="bf16")
+        if not fp8_gemm.serves(cfg, c["x"].device):
+            raise RuntimeError("the CuTe DSL engine does not serve this config here")
+        a, sa = quantize_blocks_pow2(c["x"].float(), 1, 128)
+        sa_m = sa.t().contiguous()  # [K/128, T]
+        return (lambda: fp8_gemm.rope_gemm_fp8(a, sa_m, c["wq"], c["ws"], c["cos_h"], c["sin_h"], cfg)), []
+
     def unfused_fp8(c):
         T = c["x"].shape[0]
 
@@ -249,6 +282,7 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         Row("cublas_bf16_gemm", "fwd", None, lambda c: ((lambda: c["x"] @ c["w"].t()), [])),
         Row("cublas_fp8_tensorwise_gemm", "fwd", None, tensorwise),
         Row("cublas_fp8_blockwise_gemm", "fwd", None, blockwise),
+        Row("cute_fp8_rope_gemm", "fwd", None, cute_gemm),
         Row(mx_peer, "fwd", None, lambda c: ((lambda: c_mx(c["x"], c["g"], c["w"], c["cos_h"], c["sin_h"])), [])),
         Row(fp8_peer, "fwd", None, unfused_fp8),
         Row("ours_mxfp8", "fwd", mx_peer, ours("mxfp8")),
@@ -259,11 +293,13 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         Row("ours_bf16_gemm", "fwd", mx_peer, ours("bf16_gemm")),
         Row("ours_fp8_block", "fwd", fp8_peer, ours("fp8_block")),
         Row("ours_fp8_block_cudagraph", "fwd", fp8_peer, ours_graph("fp8_block")),
+        Row("ours_fp8_block_triton", "fwd", fp8_peer, ours("fp8_block_triton")),
         Row("ours_fp8_block_mxfp8_out", "fwd", fp8_peer, ours("fp8_block_mxfp8_out")),
         Row(bwd_peer, "fwdbwd", None, compiled_fwdbwd),
         Row("ours_mxfp8_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("mxfp8")),
         Row("ours_bf16_gemm_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("bf16_gemm")),
         Row("ours_fp8_block_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("fp8_block")),
+        Row("ours_fp8_block_triton_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("fp8_block_triton")),
     ]
 
 
@@ -392,7 +428,7 @@ def add_ratios(results: list[dict]) -> None:
         if "ms" in cub:
             # fwd+bwd rows: relative to the forward GEMM too (the chart's common unit)
             r["vs_cublas"] = _same_round_ratio(r, cub)
-        if "fp8_block" in r["name"] and r["kind"] == "fwd" and "ms" in blk:
+        if ("fp8_block" in r["name"] or r["name"] == "cute_fp8_rope_gemm") and r["kind"] == "fwd" and "ms" in blk:
             r["vs_blockwise"] = _same_round_ratio(r, blk)
         if "ms" in ref:
             r["speedup"] = 1.0 / _same_round_ratio(r, ref)

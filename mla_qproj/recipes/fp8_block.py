@@ -2,7 +2,8 @@
 tensor-core rate on Hopper. GEMM map (T tokens, K = q_lora_rank, N = num_heads * q_head_dim; E4M3 codes, one fp32
 scale per 1x128 / 128x1 block or 128x128 tile, fp32 accumulation promoted once per 128-long reduction block):
 
-    forward  y   [T, N] = xn(1x128 along K) @ W(128x128)^T        fused Triton GEMM with the RoPE epilogue (sm_90)
+    forward  y   [T, N] = xn(1x128 along K) @ W(128x128)^T        fused GEMM with the RoPE epilogue (sm_90): the CuTe
+                                                                   DSL engine (bf16 query), else the Triton kernel
     dgrad    dxn [T, K] = dy(1x128 along N) @ W(128x128)          cuBLAS blockwise (torch._scaled_mm), fp32 out
     wgrad    dW  [N, K] = dy(128x1 along T)^T @ xn(128x1 along T)  cuBLAS blockwise (1x128 x 1x128 along T)
 
@@ -16,6 +17,7 @@ import torch
 
 from .._config import FP8_BLOCK, QProjConfig
 from ..distributed import Parallel, rows_to_cols
+from ..kernels.cute import fp8_gemm as cute_gemm
 from ..reference import fp8_block as ref8
 from ..reference import qproj as ref
 from .base import PreparedWeight, Recipe
@@ -47,7 +49,7 @@ class FP8Block(Recipe):
 
         wq, ws = fp8_block_quantize_op(w, FP8_BLOCK, FP8_BLOCK, bs)  # [N, K] codes, [N/128, K/128] scale_inv
         tensors = {"wq": wq, "ws": ws}
-        if src is not None:  # the fused GEMM's row order, with a per-row scale_inv [K/128, rows]
+        if src is not None and not cute_gemm.serves(cfg, w.device):  # the Triton GEMM's row order, per-row scale_inv
             from ..kernels.qproj_gemm import prepare_fused_weight_fp8
 
             tensors["fused"], tensors["fused_sinv"] = prepare_fused_weight_fp8(wq, ws, cfg, src)
@@ -78,6 +80,10 @@ class FP8Block(Recipe):
         if not use_triton:
             y = ref8.block_scaled_mm(ad, asv, pw["wq"], pw["ws"], 1, FP8_BLOCK)
             return reference_query(y, cos_h, sin_h, cfg)
+        if cute_gemm.serves(cfg, ad.device):  # the warp-specialized CuTe DSL kernel (W in its own order)
+            from ..kernels._op import encoded
+
+            return cute_gemm.rope_gemm_fp8_op(ad, asv, pw["wq"], pw["ws"], cos_h, sin_h, encoded(cfg)), None, None, None
         if pw.get("fused") is not None:
             from ..kernels._op import encoded
             from ..kernels.qproj_gemm import qproj_gemm_fp8_fwd_op

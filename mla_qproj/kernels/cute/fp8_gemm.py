@@ -1,0 +1,203 @@
+"""The fp8_block forward GEMM of the CuTe DSL engine, as the recipe calls it: which configs it serves, where its
+kernels come from (prebuilt or compiled here), the launcher and its custom op.
+
+    y [T, H, D] bf16 = RoPE(A · Wᵀ)     A: xn's E4M3 codes [T, K] + scale_inv [K/128, T] (M-major, 1x128 along K)
+                                        W: E4M3 codes [N, K] (nn.Linear row order) + scale_inv [N/128, K/128]
+
+The kernel (`fp8_gemm_sm90.py`) reads W in its own row order and its 128x128 scale grid as the weight cache keeps
+them, so the engine needs no second copy of the weight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ..._config import QProjConfig
+from .. import _op
+
+log = logging.getLogger("mla_qproj")
+
+ENV_DISABLE = "MLA_QPROJ_CUTE"  # "0": never use the engine (the Triton kernels run)
+ENV_KERNELS = "MLA_QPROJ_CUTE_KERNELS"  # a directory of prebuilt kernels (tools/build_cute_kernels.py)
+RUNTIME_LIB = "libcute_dsl_runtime.so"
+FUNCTION = "qproj_fp8_rope_gemm"
+
+
+def supported(cfg: QProjConfig) -> bool:
+    """Geometries the kernel covers: one head per [128, D] tile with D <= 192 (two fp32 tiles of 64 x D in 240
+    registers), 8-column groups that are all pass-through or all RoPE, neox pairs in one thread (R/2 % 8 == 0); a bf16
+    query (the MXFP8 query stays on the Triton kernel)."""
+    D, P, R = cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim
+    return (isinstance(cfg, QProjConfig) and cfg.precision == "fp8_block" and cfg.output_format == "bf16"
+            and cfg.q_lora_rank % 128 == 0 and D % 8 == 0 and D <= 192 and P % 8 == 0 and R % 8 == 0
+            and (cfg.rope_style != "neox" or (R // 2) % 8 == 0))
+
+
+def key(cfg: QProjConfig, num_sms: int) -> str:
+    """The name of the kernel for this geometry and SM count (a prebuilt file is `<key>.so`)."""
+    return (f"fp8rope_k{cfg.q_lora_rank}_h{cfg.num_heads}_d{cfg.q_head_dim}_p{cfg.qk_head_dim}_r{cfg.rope_dim}_"
+            f"{cfg.rope_style}_sm{num_sms}")
+
+
+def _enabled() -> bool:
+    return os.environ.get(ENV_DISABLE, "1") not in ("0", "", "false", "off")
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _dsl_available() -> bool:
+    try:
+        import cutlass.cute  # noqa: F401
+        import tvm_ffi  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing CUDA libraries)
+        return False
+    return True
+
+
+def _prebuilt_dir() -> Path | None:
+    d = os.environ.get(ENV_KERNELS)
+    return Path(d) if d else None
+
+
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.warning(msg)
+
+
+def serves(cfg: QProjConfig, device: torch.device) -> bool:
+    """The engine runs this config's forward on this device: sm_90, a supported geometry, a kernel to be had (prebuilt
+    or the DSL to compile one), and not disabled (`MLA_QPROJ_CUTE=0`). Says once why not, where it matters."""
+    if device.type != "cuda" or not _enabled():
+        return False
+    return _serves(cfg, device.index if device.index is not None else torch.cuda.current_device(),
+                   os.environ.get(ENV_KERNELS, ""))
+
+
+@functools.cache
+def _serves(cfg: QProjConfig, index: int, prebuilt: str) -> bool:
+    if not supported(cfg) or torch.cuda.get_device_capability(index) != (9, 0):
+        return False
+    k = key(cfg, _num_sms(index))
+    if prebuilt and (Path(prebuilt) / f"{k}.so").is_file():
+        return True
+    if _dsl_available():
+        return True
+    _say_once("mla_qproj: fp8_block forward on the Triton kernel: the CuTe DSL engine is not installed (pip install "
+              "'mla_qproj[cute]') and no prebuilt kernel matches " + k)
+    return False
+
+
+@functools.cache
+def _load_runtime(prebuilt: str | None) -> None:
+    """Make the CuTe DSL runtime library visible to the kernels' shared objects (they link against it)."""
+    for cand in ([Path(prebuilt) / RUNTIME_LIB] if prebuilt else []):
+        if cand.is_file():
+            ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+            return
+    from cutlass.cute.runtime import find_runtime_libraries
+
+    for lib in find_runtime_libraries(enable_tvm_ffi=False):
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+
+
+_KERNELS: dict[str, object] = {}
+
+
+def _kernel(cfg: QProjConfig, num_sms: int):
+    """The callable kernel (a tvm_ffi.Function) for cfg's geometry: the prebuilt one if present, else compiled now;
+    kept for the process."""
+    k = key(cfg, num_sms)
+    fn = _KERNELS.get(k)
+    if fn is None:
+        d = _prebuilt_dir()
+        if d is not None and (d / f"{k}.so").is_file():
+            import tvm_ffi
+
+            _load_runtime(str(d))
+            fn = tvm_ffi.load_module(str(d / f"{k}.so"))[FUNCTION]
+        else:
+            fn = compile_kernel(cfg, num_sms)
+        _KERNELS[k] = fn
+    return fn
+
+
+def compile_kernel(cfg: QProjConfig, num_sms: int, options: str = ""):
+    """Compile the kernel for cfg's geometry (T symbolic) with the CuTe DSL, for sm_90a; no GPU needed. Returns the
+    compiled function (callable with torch tensors, on the current stream; `.export_to_c` writes an object file)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
+
+    from .fp8_gemm_sm90 import Fp8BlockRopeGemmSm90
+
+    K, H, D = cfg.q_lora_rank, cfg.num_heads, cfg.q_head_dim
+    N, RH, kb = H * D, cfg.rope_dim // 2, K // 128
+    kern = Fp8BlockRopeGemmSm90(K, H, D, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, num_sms)
+    T = cute.sym_int()
+    f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
+    args = (make_fake_tensor(f8, (T, K), (K, 1), assumed_align=16),
+            make_fake_tensor(f8, (N, K), (K, 1), assumed_align=16),
+            make_fake_tensor(f32, (kb, T), (T, 1), assumed_align=16),
+            make_fake_tensor(f32, (-(-N // 128), kb), (kb, 1), assumed_align=16),
+            make_fake_tensor(f32, (T, RH), (RH, 1), assumed_align=16),
+            make_fake_tensor(f32, (T, RH), (RH, 1), assumed_align=16),
+            make_fake_tensor(cutlass.BFloat16, (T, N), (N, 1), assumed_align=16),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+    return cute.compile(kern, *args, options=f"--gpu-arch sm_90a --enable-tvm-ffi {options}".strip())
+
+
+def _table(t: torch.Tensor) -> torch.Tensor:
+    """A pair table as the kernel reads it: fp32, contiguous [T, R/2] (a broadcast or strided view is copied)."""
+    if t.dtype != torch.float32:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def rope_gemm_fp8(a: torch.Tensor, a_scale_inv: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, cos_h: torch.Tensor,
+                  sin_h: torch.Tensor, cfg: QProjConfig) -> torch.Tensor:
+    """q [T, H, D] bf16 = RoPE(blockwise a · wqᵀ) (SPEC §1.3-1.4 and §5).
+
+    a: float8_e4m3fn [T, K] contiguous; a_scale_inv: float32 [K/128, T] contiguous (M-major); wq: float8_e4m3fn [N, K]
+    contiguous; ws: float32 [ceil(N/128), K/128] contiguous; cos_h / sin_h: [T, R/2] pair tables. The caller (the
+    fp8_block recipe) has checked the config with `serves`."""
+    T = a.shape[0]
+    H, D = cfg.num_heads, cfg.q_head_dim
+    y = torch.empty((T, H * D), dtype=torch.bfloat16, device=a.device)
+    if T:
+        fn = _kernel(cfg, _num_sms(a.device.index))
+        fn(a, wq, a_scale_inv, ws, _table(cos_h), _table(sin_h), y)
+    return y.view(T, H, D)
+
+
+@torch.library.custom_op("mla_qproj::cute_rope_gemm_fp8", mutates_args=())
+def _rope_gemm_fp8_def(a: torch.Tensor, a_scale_inv: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                       cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: str) -> torch.Tensor:
+    return rope_gemm_fp8(a, a_scale_inv, wq, ws, cos_h, sin_h, QProjConfig.decode(cfg))
+
+
+@_rope_gemm_fp8_def.register_fake
+def _(a, a_scale_inv, wq, ws, cos_h, sin_h, cfg):
+    c = QProjConfig.decode(cfg)
+    return a.new_empty((a.shape[0], c.num_heads, c.q_head_dim), dtype=torch.bfloat16)
+
+
+def _eager(a, a_scale_inv, wq, ws, cos_h, sin_h, cfg: str) -> torch.Tensor:
+    return rope_gemm_fp8(a, a_scale_inv, wq, ws, cos_h, sin_h, QProjConfig.decode(cfg))
+
+
+# the recipe's entry point: the launcher in eager mode, the registered op while torch.compile traces
+rope_gemm_fp8_op = _op.eager_fast(_rope_gemm_fp8_def, _eager)

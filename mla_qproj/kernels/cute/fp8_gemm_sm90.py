@@ -1,0 +1,324 @@
+"""The fp8_block forward GEMM for sm_90a, written in CuTe DSL: y = RoPE(A · Wᵀ) with a bf16 query (SPEC §1.3-1.4, §5).
+
+# %% Design
+A warp-specialized persistent kernel of three warpgroups per CTA:
+- a producer warp (warpgroup 0, its other warps idle with 40 registers) streams the E4M3 codes of A [T, K] (xn's
+  1x128 blocks along K) and of W [N, K] (128x128 tiles, nn.Linear row order) into a ring of shared-memory stages with
+  TMA, one 128-wide K block per stage;
+- two consumer warpgroups (232 registers each) share one [128, D] output tile, 64 rows each: per K block the four
+  FP8 WGMMAs (k = 32) accumulate the block's product in the tensor core, then it is promoted into the fp32
+  accumulator with the block's scales, acc = fma(block, sa[row] · sw[tile], acc) (DeepSeek-V3's recipe). The two
+  warpgroups drift half a block apart, so one promotes while the other's WGMMAs run.
+
+One output tile is one head: D = q_head_dim columns of W in their own order, so every RoPE pair of the head lies in
+the tile, and in one thread's registers (the WGMMA accumulator gives each thread columns 8j + 2q + {0, 1} of its rows
+for every j): deepseek and gptj pair adjacent columns (2i, 2i + 1); neox pairs i and i + R/2 (R/2 % 8 == 0). W's
+128x128 scale tiles are not aligned with heads: each 8-column group of the tile takes the scale of the W block it
+lies in (a head spans at most three blocks).
+
+Epilogue, per consumer warpgroup: the rotation a' = a·c - b·s, b' = b·c + a·s on the fp32 accumulator (products
+rounded separately, as the reference computes them), one rounding to bf16, written to the warpgroup's own
+shared-memory tile at the output column (deepseek moves a' to P + i and b' to P + R/2 + i), then one TMA store of
+the [64, D] box (rows past T are clipped by TMA). The warpgroups never wait for each other outside the K-block ring.
+
+The kernel is compiled per geometry (K, H, D, P, R, RoPE style) with T symbolic: one binary serves every T.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+
+BLOCK = 128  # SPEC §5: K blocks of A (1x128) and W (128x128)
+ROWS_PER_WG = 64  # rows of the output tile per consumer warpgroup (one m64 WGMMA)
+SMEM_BYTES = 227 * 1024  # sm_90 shared memory per block (opt-in maximum)
+
+
+@dsl_user_op
+def _mul_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """a·b rounded to fp32 on its own (mul.rn is never contracted into an fma)."""
+    return cutlass.Float32(llvm.inline_asm(
+        cutlass.Float32.mlir_type, [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
+        "mul.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _fma_rn(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """fma(a, b, c) with one rounding."""
+    return cutlass.Float32(llvm.inline_asm(
+        cutlass.Float32.mlir_type, [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)],
+        "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+class Fp8BlockRopeGemmSm90:
+    """y [T, H·D] bf16 = RoPE(blockwise A · Wᵀ), one [128, D] tile per (128 tokens, head)."""
+
+    def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
+                 swizzle: int = 1, raster_along_m: bool = False):
+        if K % BLOCK or D % 8 or D > 256 or R % 2 or P + R > D:
+            raise ValueError(f"unsupported geometry K={K} D={D} P={P} R={R}")
+        if style not in ("deepseek", "neox", "gptj") or (style == "neox" and (R // 2) % 8):
+            raise ValueError(f"unsupported rope style {style!r} for R={R}")
+        if P % 8 or R % 8:
+            raise ValueError(f"P and R must be multiples of 8, got P={P} R={R}")
+        self.K, self.H, self.D, self.P, self.R, self.style = K, H, D, P, R, style
+        self.RH = R // 2
+        self.N = H * D
+        self.num_sms = num_sms
+        self.swizzle = swizzle
+        self.raster_along_m = raster_along_m
+        self.bm, self.bn, self.bk = 2 * ROWS_PER_WG, D, BLOCK
+        # the tile's D columns as `parts` WGMMA sub-tiles, one at a time through one block buffer: 96 + 48 fp32
+        # registers for D = 192 instead of 96 + 96 (which spills next to the addresses and scales)
+        self.k_tiles = K // BLOCK
+        self.parts = 2 if D > 128 and D % 16 == 0 else 1
+        self.sub = D // self.parts
+        self.w_blocks = -(-self.N // BLOCK)  # rows of W's 128x128 scale grid
+        self.span = (BLOCK - 8 + D + BLOCK - 1) // BLOCK  # W blocks one head can touch (at most)
+        self.threads = 3 * 128
+        self.producer_regs, self.consumer_regs = 24, 240
+        self.a_dtype = self.b_dtype = cutlass.Float8E4M3FN
+        self.y_dtype = cutlass.BFloat16
+        a_stage_bytes = self.bm * self.bk
+        b_stage_bytes = self.bn * self.bk
+        epi_bytes = 2 * ROWS_PER_WG * self.bn * 2
+        self.stages = min(8, (SMEM_BYTES - epi_bytes - 2048) // (a_stage_bytes + b_stage_bytes))
+        if self.stages < 2:
+            raise ValueError(f"q_head_dim {D} leaves fewer than two pipeline stages")
+
+    # ------------------------------------------------------------------------------------------------ host
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mCos: cute.Tensor,
+                 mSin: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
+        """mA [T, K] e4m3 codes, mB [N, K] e4m3 codes (nn.Linear order), mSA [K/128, T] f32 scale_inv (M-major),
+        mSW [ceil(N/128), K/128] f32 scale_inv, mCos / mSin [T, R/2] f32, mY [T, N] bf16 (written)."""
+        a_layout = utils.LayoutEnum.ROW_MAJOR  # K-major
+        b_layout = utils.LayoutEnum.ROW_MAJOR
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            cutlass.Float32, (2, 1, 1), tiler_mn=(ROWS_PER_WG, self.sub))
+        tile_mnk = (self.bm, self.bn, self.bk)
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.a_dtype, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.b_dtype, self.stages)
+        y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.bn), 2)
+
+        tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
+                                                cute.slice_(a_smem, (None, None, 0)), (self.bm, self.bk))
+        tma_b, tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
+                                                cute.slice_(b_smem, (None, None, 0)), (self.bn, self.bk))
+        tma_y, tY = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mY,
+                                                cute.slice_(y_smem, (None, None, 0)), (ROWS_PER_WG, self.bn))
+
+        T = mA.shape[0]
+        num_m = (T + self.bm - 1) // self.bm
+        sched = utils.PersistentTileSchedulerParams((num_m, self.H, 1), (1, 1, 1), self.swizzle,
+                                                    self.raster_along_m)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.num_sms)
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
+            sY: cute.struct.Align[cute.struct.MemRange[self.y_dtype, cute.cosize(y_smem)], 1024]
+
+        self.storage = Storage
+        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, mSA, mSW, mCos, mSin, a_smem, b_smem, y_smem,
+                    sched).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1,
+                                  stream=stream)
+
+    # ---------------------------------------------------------------------------------------------- device
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
+               mB: cute.Tensor, tma_y: cute.CopyAtom, mY: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor,
+               mCos: cute.Tensor, mSin: cute.Tensor, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+               y_smem: cute.ComposedLayout, sched: utils.PersistentTileSchedulerParams):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+            cpasync.prefetch_descriptor(tma_y)
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.storage)
+        a_stage = cute.slice_(a_smem, (None, None, 0))
+        b_stage = cute.slice_(b_smem, (None, None, 0))
+        tx_bytes = cute.size_in_bytes(self.a_dtype, a_stage) + cute.size_in_bytes(self.b_dtype, b_stage)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4),  # one arrive per consumer warp
+            tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        cute.arch.sync_threads()
+
+        sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sY = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner)
+
+        gA = cute.local_tile(mA, (self.bm, self.bk), (None, None))  # (bm, bk, m, k)
+        gB = cute.local_tile(mB, (self.bn, self.bk), (None, None))  # (bn, bk, n, k)
+        gY = cute.local_tile(mY, (ROWS_PER_WG, self.bn), (None, None))  # (64, bn, m64, n)
+        tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
+                                           cute.group_modes(gA, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))
+        tYsY, tYgY = cpasync.tma_partition(tma_y, 0, cute.make_layout(1), cute.group_modes(sY, 0, 2),
+                                           cute.group_modes(gY, 0, 2))
+
+        if wg == 0:
+            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            if warp == 0:  # ------------------------------------------------------------------ producer
+                tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(),
+                                                                   cute.arch.grid_dim())
+                work = tiles.initial_work_tile_info()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                while work.is_valid_tile:
+                    m, n = work.tile_idx[0], work.tile_idx[1]
+                    for k in cutlass.range(self.k_tiles, unroll=1):
+                        ring.producer_acquire(state)
+                        bar = ring.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA[(None, m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, n, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        ring.producer_commit(state)
+                        state.advance()
+                    tiles.advance_to_next_work()
+                    work = tiles.get_current_work()
+                ring.producer_tail(state)
+        else:  # ------------------------------------------------------------------------------- consumers
+            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            c = wg - 1  # consumer index: rows [64c, 64c + 64) of the tile
+            ct = tidx - 128  # thread index among the consumers
+            thr_mma = tiled_mma.get_slice(ct)
+            tCsA = thr_mma.partition_A(sA)
+            sB_parts = cute.flat_divide(sB, (self.sub, self.bk))  # (sub, bk, parts, 1, stages)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB_parts[(None, None, p, 0, None)]))
+                    for p in range(self.parts)]
+            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
+            blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32)
+            k_blocks = cute.size(tCrA, mode=[2])
+
+            lane = tidx % 32
+            w_in_wg = (tidx // 32) % 4
+            q = lane % 4
+            row_lo = ROWS_PER_WG * c + 16 * w_in_wg + lane // 4  # tile rows of this thread: row_lo, row_lo + 8
+            T = mA.shape[0]
+            store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
+            sYc = sY[(None, None, c)]
+
+            tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
+            work = tiles.initial_work_tile_info()
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            while work.is_valid_tile:
+                m, n = work.tile_idx[0], work.tile_idx[1]
+                r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
+                r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
+                col0 = n * self.D  # first column of the head in W / y
+                b0 = col0 // BLOCK
+                acc.fill(0.0)
+                for k in cutlass.range(self.k_tiles, unroll=1):
+                    ring.consumer_wait(state)
+                    # the block's scales: read before the first WGMMA waits
+                    sa0 = mSA[(k, r0)]
+                    sa1 = mSA[(k, r1)]
+                    sw = cute.make_rmem_tensor((self.span,), cutlass.Float32)
+                    for j in cutlass.range_constexpr(self.span):
+                        sw[j] = mSW[(cutlass.min(b0 + j, self.w_blocks - 1), k)]
+                    for part in cutlass.range_constexpr(self.parts):
+                        warpgroup.fence()
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)],
+                                      tCrB[part][(None, None, kb, state.index)], blk)
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        if cutlass.const_expr(part == self.parts - 1):
+                            ring.consumer_release(state)
+                        self._promote(acc, blk, sa0, sa1, sw, col0 - b0 * BLOCK, part)
+                    state.advance()
+
+                # -------------------------------------------------------------------------------- epilogue
+                if ct % 128 == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store has read sY
+                store_bar.arrive_and_wait()
+                self._rope_store(acc, sYc, mCos, mSin, r0, r1, row_lo - ROWS_PER_WG * c, q)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                store_bar.arrive_and_wait()
+                if ct % 128 == 0:
+                    cute.copy(tma_y, tYsY[(None, c)], tYgY[(None, 2 * m + c, n)])
+                    cute.arch.cp_async_bulk_commit_group()
+                tiles.advance_to_next_work()
+                work = tiles.get_current_work()
+            if ct % 128 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    # The accumulator fragment of one thread (m64nDk32, fp32): element (c2, r2, j) = row row_lo + 8·r2, column
+    # 8j + 2q + c2 of the warpgroup's 64 x D tile, q = lane % 4 (PTX ISA, wgmma D fragment layout).
+
+    @cute.jit
+    def _promote(self, acc: cute.Tensor, blk: cute.Tensor, sa0: cutlass.Float32, sa1: cutlass.Float32,
+                 sw: cute.Tensor, off: cutlass.Int32, part: cutlass.Constexpr):
+        """acc[part] += blk · sa[row] · sw[W block of the column] (one fma per element). Sub-tile `part` holds column
+        groups [part·sub/8, (part + 1)·sub/8) of the tile: flat index 4·j + ... in acc, 4·(j - first) + ... in blk."""
+        first = part * (self.sub // 8)
+        for j in cutlass.range_constexpr(first, first + self.sub // 8):
+            wb = (off + 8 * j) // BLOCK  # W block of columns 8j..8j+7 (the head starts `off` into block b0)
+            w = sw[0]
+            for s in cutlass.range_constexpr(1, self.span):
+                w = cutlass.Float32(sw[s]) if wb == s else w
+            s0 = sa0 * w
+            s1 = sa1 * w
+            for c2 in cutlass.range_constexpr(2):
+                i0 = c2 + 4 * j
+                i1 = c2 + 2 + 4 * j
+                acc[i0] = _fma_rn(blk[i0 - 4 * first], s0, acc[i0])
+                acc[i1] = _fma_rn(blk[i1 - 4 * first], s1, acc[i1])
+
+    @cute.jit
+    def _rope_store(self, acc: cute.Tensor, sY: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor,
+                    r0: cutlass.Int32, r1: cutlass.Int32, lrow: cutlass.Int32, q: cutlass.Int32):
+        """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, D] tile at the output columns."""
+        P, RH = self.P, self.RH
+        for j in cutlass.range_constexpr(self.D // 8):
+            col = 8 * j  # + 2q + c2
+            for r2 in cutlass.range_constexpr(2):
+                row = lrow + 8 * r2
+                t = r0 if r2 == 0 else r1
+                i0 = 4 * j + 2 * r2
+                if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
+                    sY[(row, col + 2 * q)] = acc[i0].to(self.y_dtype)
+                    sY[(row, col + 2 * q + 1)] = acc[i0 + 1].to(self.y_dtype)
+                elif cutlass.const_expr(self.style != "neox"):  # pair (2i, 2i + 1) in this thread's two columns
+                    i = (col - P) // 2 + q
+                    cs, sn = mCos[(t, i)], mSin[(t, i)]
+                    a, b = acc[i0], acc[i0 + 1]
+                    ra = _mul_rn(a, cs) - _mul_rn(b, sn)
+                    rb = _mul_rn(b, cs) + _mul_rn(a, sn)
+                    if cutlass.const_expr(self.style == "deepseek"):
+                        sY[(row, P + i)] = ra.to(self.y_dtype)
+                        sY[(row, P + RH + i)] = rb.to(self.y_dtype)
+                    else:
+                        sY[(row, col + 2 * q)] = ra.to(self.y_dtype)
+                        sY[(row, col + 2 * q + 1)] = rb.to(self.y_dtype)
+                elif cutlass.const_expr(col < P + RH):  # neox: pair (i, i + R/2), partner R/16 column groups on
+                    for c2 in cutlass.range_constexpr(2):
+                        i = col - P + 2 * q + c2
+                        cs, sn = mCos[(t, i)], mSin[(t, i)]
+                        a = acc[i0 + c2]
+                        b = acc[i0 + c2 + 4 * (RH // 8)]
+                        sY[(row, P + i)] = (_mul_rn(a, cs) - _mul_rn(b, sn)).to(self.y_dtype)
+                        sY[(row, P + RH + i)] = (_mul_rn(b, cs) + _mul_rn(a, sn)).to(self.y_dtype)

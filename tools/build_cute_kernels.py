@@ -1,0 +1,129 @@
+"""Compile the CuTe DSL engine's kernels for sm_90a without a GPU, report their SASS, and optionally export them.
+
+    python tools/build_cute_kernels.py [--geometry K,H,P,R,D,style ...] [--num-sms 132] [--out DIR]
+
+For each geometry (default: DeepSeek-V3's query, 1536,128,128,64,192,deepseek): compile the fp8_block forward kernel
+(T symbolic), print registers, stack and instruction counts of its SASS (QGMMA, TMA loads and stores, register
+reallocation, local-memory loads and stores: any LDL / STL is a spill). With --out, export each kernel as a shared
+object `<key>.so` (the file `mla_qproj.kernels.cute.fp8_gemm` loads from `MLA_QPROJ_CUTE_KERNELS=DIR`) and copy the
+CuTe DSL runtime library beside them, so that a machine with only `apache-tvm-ffi` installed can run them.
+
+Needs `nvidia-cutlass-dsl`, `apache-tvm-ffi` and (for the SASS) `nvidia-cuda-cuobjdump`; --out also needs a C
+compiler (`c++`) to link the shared objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mla_qproj._config import QProjConfig  # noqa: E402
+from mla_qproj.kernels.cute import fp8_gemm  # noqa: E402
+
+V3 = "1536,128,128,64,192,deepseek"
+COUNTED = ("QGMMA", "HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "LDL", "STL", "FFMA", "FMUL", "FADD", "STS", "LDG")
+
+
+def parse_geometry(s: str) -> QProjConfig:
+    K, H, P, R, D, style = s.split(",")
+    return QProjConfig(int(K), int(H), int(P), int(R), int(D), rope_style=style, precision="fp8_block",
+                       output_format="bf16")
+
+
+def cuobjdump() -> str:
+    """A cuobjdump: the CUDA toolkit's, or PyPI's nvidia-cuda-cuobjdump."""
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    try:
+        import nvidia.cu13  # nvidia-cuda-cuobjdump 13.x installs here
+        for base in nvidia.cu13.__path__:
+            cand = Path(base) / "bin" / "cuobjdump"
+            if cand.is_file():
+                return str(cand)
+    except ImportError:
+        pass
+    raise FileNotFoundError("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+
+
+def sass_report(cubin: bytes) -> dict:
+    """Registers, stack bytes and instruction counts of a cubin's SASS."""
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "k.cubin"
+        f.write_bytes(cubin)
+        exe = cuobjdump()
+        res = subprocess.run([exe, "-res-usage", str(f)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([exe, "-sass", str(f)], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    counts = {op: len(re.findall(rf"\b{op}[A-Z0-9._]*", sass)) for op in COUNTED}
+    return {"REG": int(m.group(1)), "STACK": int(m.group(2)), **counts, "sass": sass}
+
+
+def compile_one(cfg: QProjConfig, num_sms: int, dump_dir: str):
+    """(compiled function, cubin bytes)."""
+    fn = fp8_gemm.compile_kernel(cfg, num_sms, options=f"--keep-cubin --dump-dir={dump_dir}")
+    cubin = fn.__cubin__
+    if not isinstance(cubin, bytes):
+        raise RuntimeError("the compile kept no cubin")
+    return fn, cubin
+
+
+def export(fn, out: Path, name: str) -> Path:
+    """Write out/<name>.so: the compiled function as a TVM-FFI shared object, linked against the CuTe DSL runtime."""
+    import tvm_ffi
+    from cutlass.cute.runtime import find_runtime_libraries
+
+    obj = out / f"{name}.o"
+    fn.export_to_c(str(obj), function_name=fp8_gemm.FUNCTION)
+    runtime = Path(find_runtime_libraries(enable_tvm_ffi=False)[0])
+    tvm_lib = Path(tvm_ffi.__file__).parent / "lib"
+    so = out / f"{name}.so"
+    subprocess.run([os.environ.get("CXX", "c++"), "-shared", "-o", str(so), str(obj), f"-L{runtime.parent}",
+                    "-lcute_dsl_runtime", f"-L{tvm_lib}", "-ltvm_ffi", "-Wl,-rpath,$ORIGIN"], check=True)
+    obj.unlink()
+    if not (out / fp8_gemm.RUNTIME_LIB).exists():
+        shutil.copy(runtime, out / fp8_gemm.RUNTIME_LIB)
+    return so
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--geometry", nargs="*", default=[V3], help="K,H,P,R,D,style (P = qk_head_dim, R = rope dim)")
+    p.add_argument("--num-sms", type=int, default=132, help="SM count the persistent grid is sized for (H100/H200 SXM)")
+    p.add_argument("--out", default="", help="export <key>.so files and the runtime library here")
+    p.add_argument("--sass", default="", help="write each kernel's SASS to this folder")
+    args = p.parse_args(argv)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    ok = True
+    with tempfile.TemporaryDirectory() as dump:
+        for g in args.geometry:
+            cfg = parse_geometry(g)
+            if not fp8_gemm.supported(cfg):
+                print(f"{g}: not a geometry the engine covers")
+                ok = False
+                continue
+            name = fp8_gemm.key(cfg, args.num_sms)
+            fn, cubin = compile_one(cfg, args.num_sms, dump)
+            rep = sass_report(cubin)
+            if args.sass:
+                Path(args.sass).mkdir(parents=True, exist_ok=True)
+                (Path(args.sass) / f"{name}.sass").write_text(rep["sass"])
+            print(f"{name}: " + " ".join(f"{k}={v}" for k, v in rep.items() if k != "sass"))
+            ok &= rep["QGMMA"] > 0 and rep["LDL"] == rep["STL"] == rep["STACK"] == 0 and rep["USETMAXREG"] >= 2
+            if out:
+                print("  ->", export(fn, out, name))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
