@@ -87,6 +87,7 @@ def serves(cfg: QProjConfig, device: torch.device) -> bool:
                    os.environ.get(ENV_KERNELS, ""))
 
 
+@torch.compiler.assume_constant_result  # traced as its value: no file-system calls in a graph
 @functools.cache
 def _serves(cfg: QProjConfig, index: int, prebuilt: str) -> bool:
     if not supported(cfg) or torch.cuda.get_device_capability(index) != (9, 0):
@@ -135,9 +136,10 @@ def _kernel(cfg: QProjConfig, num_sms: int):
     return fn
 
 
-def compile_kernel(cfg: QProjConfig, num_sms: int, options: str = ""):
+def compile_kernel(cfg: QProjConfig, num_sms: int, options: str = "", **schedule):
     """Compile the kernel for cfg's geometry (T symbolic) with the CuTe DSL, for sm_90a; no GPU needed. Returns the
-    compiled function (callable with torch tensors, on the current stream; `.export_to_c` writes an object file)."""
+    compiled function (callable with torch tensors, on the current stream; `.export_to_c` writes an object file).
+    schedule: the kernel's tile-order options (`Fp8BlockRopeGemmSm90`: swizzle, raster_along_m), for probes."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
@@ -146,7 +148,7 @@ def compile_kernel(cfg: QProjConfig, num_sms: int, options: str = ""):
 
     K, H, D = cfg.q_lora_rank, cfg.num_heads, cfg.q_head_dim
     N, RH, kb = H * D, cfg.rope_dim // 2, K // 128
-    kern = Fp8BlockRopeGemmSm90(K, H, D, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, num_sms)
+    kern = Fp8BlockRopeGemmSm90(K, H, D, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style, num_sms, **schedule)
     T = cute.sym_int()
     f8, f32 = cutlass.Float8E4M3FN, cutlass.Float32
     args = (make_fake_tensor(f8, (T, K), (K, 1), assumed_align=16),
