@@ -209,6 +209,21 @@ def test_mxfp8_quantize_errors():
     assert q.columnwise_scale.shape == (2, 48)
 
 
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_double_backward_refused(backend, precision):
+    """The backward is not itself differentiable: a second differentiation through it raises instead of returning a
+    gradient that misses the backward's own dependence on x and the weights."""
+    layer = layer_(precision=precision, output_format="bf16", backend=backend)
+    x = torch.randn(5, K, device=DEV, requires_grad=True)
+    q = dense(layer(x, *tables((5,))))
+    (gx,) = torch.autograd.grad(q.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):  # gx's graph does not reach x or the weight
+        torch.autograd.grad(gx.square().sum(), [x, layer.weight])
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()
+
+
 # ------------------------------------------------------------------------------------- 3. from_modules
 
 
