@@ -36,6 +36,20 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_on_optimizer_step)
 
 
+def _check_rmsnorm(norm) -> None:
+    """from_modules computes RMSNorm whatever module it is given: refuse one that computes something else (a
+    LayerNorm subtracts the mean and adds a bias). Accepted: torch.nn.RMSNorm, and a class named *RMSNorm (HF's
+    DeepseekV3RMSNorm) with `weight` and `eps` or `variance_epsilon`."""
+    name = type(norm).__name__
+    if getattr(norm, "bias", None) is not None:
+        raise ValueError(f"norm ({name}) has a bias: the layer computes RMSNorm, which has none")
+    rms = isinstance(norm, nn.RMSNorm) or (name.endswith("RMSNorm") and hasattr(norm, "weight")
+                                           and (hasattr(norm, "eps") or hasattr(norm, "variance_epsilon")))
+    if not rms:
+        raise ValueError(f"norm must be an RMSNorm (torch.nn.RMSNorm, or a class named *RMSNorm with `weight` and "
+                         f"`eps` or `variance_epsilon`), got {name}: the layer computes RMSNorm whatever norm it wraps")
+
+
 class FusedMLAQUpProjection(nn.Module):
     """q = RoPE(W_uq · RMSNorm(x)) for Multi-head Latent Attention, with MXFP8 GEMM inputs and query (SPEC §1).
 
@@ -141,13 +155,15 @@ class FusedMLAQUpProjection(nn.Module):
     @classmethod
     def from_modules(cls, norm: nn.Module, linear: nn.Module, *, num_heads: int, qk_head_dim: int,
                      qk_pos_emb_head_dim: int, **kwargs) -> FusedMLAQUpProjection:
-        """Wrap an existing RMSNorm and bias-free Linear, sharing (not copying) their weights.
+        """Wrap an existing RMSNorm and bias-free Linear, sharing (not copying) their weights. Another norm (a
+        LayerNorm, a norm with a bias) raises ValueError.
 
         eps comes from the norm's `eps` or `variance_epsilon` (unless given); q_head_dim defaults to
         linear.out_features // num_heads. With `tp_group` the linear is this rank's column-parallel shard
         (Megatron's ColumnParallelLinear: out_features = num_heads / tp * q_head_dim) and num_heads is the global
         count. Raises ValueError when the shapes do not fit.
         """
+        _check_rmsnorm(norm)
         nw = getattr(norm, "weight", None)
         lw = getattr(linear, "weight", None)
         if not isinstance(nw, nn.Parameter) or nw.dim() != 1:

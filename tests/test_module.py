@@ -281,6 +281,38 @@ def test_from_modules_rejects():
                                            **kw)
 
 
+class ScaleNorm(nn.Module):
+    """A norm with `weight` and `eps` that is not an RMSNorm."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = 1e-6
+
+
+class BiasedRMSNorm(HFRMSNorm):
+    def __init__(self, hidden, eps):
+        super().__init__(hidden, eps)
+        self.bias = nn.Parameter(torch.zeros(hidden))
+
+
+class NoEpsRMSNorm(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(K), nn.LayerNorm(K, bias=False), ScaleNorm(K), BiasedRMSNorm(K, 1e-6),
+                                  NoEpsRMSNorm(K)],
+                         ids=["LayerNorm", "LayerNorm_no_bias", "ScaleNorm", "RMSNorm_bias", "RMSNorm_no_eps"])
+def test_from_modules_refuses_a_norm_it_does_not_compute(norm):
+    """The layer computes RMSNorm: any other norm (LayerNorm subtracts the mean and adds a bias) would silently give
+    another function."""
+    with pytest.raises(ValueError, match=rf"norm.*{type(norm).__name__}"):
+        FusedMLAQUpProjection.from_modules(norm, nn.Linear(K, H * 64, bias=False), num_heads=H, qk_head_dim=NOPE,
+                                           qk_pos_emb_head_dim=R)
+
+
 # --------------------------------------------------------------------------------- 4. weight cache
 
 
