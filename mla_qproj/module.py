@@ -273,6 +273,9 @@ class FusedMLAQUpProjection(nn.Module):
                     raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
                 if t.device != x.device:
                     raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+                if t.requires_grad:
+                    raise ValueError(f"{name} requires grad, but the cos/sin tables get no gradient from the layer; "
+                                     f"pass detached tables ({name}.detach())")
                 if t.dim() == 0 or t.shape[-1] not in (self.cfg.rope_dim, half):
                     raise ValueError(f"{name} last dim must be qk_pos_emb_head_dim ({self.cfg.rope_dim}) or half of "
                                      f"it ({half}), got shape {tuple(t.shape)}")

@@ -104,6 +104,19 @@ def test_forward_value_errors():
         layer(x, position_ids=torch.arange(6, device=DEV))
 
 
+@pytest.mark.parametrize("name", ["cos", "sin"])
+def test_tables_requiring_grad_refused(name):
+    """The layer gives the RoPE tables no gradient: a table that asks for one is refused (else it stays None)."""
+    layer = layer_()
+    x = torch.randn(5, K, device=DEV, requires_grad=True)
+    t = dict(zip(("cos", "sin"), tables((5,)), strict=True))
+    t[name] = t[name].clone().requires_grad_(True)
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode), pytest.raises(ValueError, match=rf"{name}.*no gradient"):
+            layer(x, t["cos"], t["sin"])
+    layer(x, t["cos"].detach(), t["sin"].detach())
+
+
 def test_forward_device_mismatch():
     layer = layer_()
     x = torch.randn(5, K, device=DEV)
