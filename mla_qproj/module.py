@@ -82,8 +82,8 @@ class FusedMLAQUpProjection(nn.Module):
             kernel only (compiled graphs and other GEMM paths gather first). Default False.
 
     Shapes: x [..., K] (any leading layout) -> q [..., H, D] (H/tp local heads; under sequence parallelism the first
-    dimension is tp times x's); cos/sin broadcast against [..., R] (or [..., R/2]) and position_ids against the
-    query's leading dims.
+    dimension is tp times x's); cos/sin broadcast against [..., R] (or [..., R/2]) and position_ids to the
+    query's leading dims (leading dims of size 1 beyond them dropped: HF's [1, T] for x [T, K]).
 
     Example:
         >>> layer = FusedMLAQUpProjection(1536, 128, 128, 64)
@@ -255,13 +255,18 @@ class FusedMLAQUpProjection(nn.Module):
                 raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
             if position_ids.device != x.device:
                 raise ValueError(f"position_ids is on {position_ids.device}, x on {x.device}")
-            try:
-                if position_ids.shape != lead:
-                    torch.broadcast_shapes(position_ids.shape, lead)
-            except RuntimeError as e:
-                raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} does not broadcast against "
-                                 f"the query's leading dims {tuple(lead)}") from e
-            freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.to(x.device)
+            pos = position_ids
+            if pos.shape != lead:
+                while pos.dim() > len(lead) and pos.shape[0] == 1:  # HF's [1, T] for a flattened x [T, K]
+                    pos = pos[0]
+                try:
+                    fits = torch.broadcast_shapes(pos.shape, lead) == lead
+                except RuntimeError:
+                    fits = False
+                if not fits:
+                    raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} does not broadcast to the "
+                                     f"query's leading dims {tuple(lead)} (leading dims of size 1 dropped)")
+            freqs = pos.float().unsqueeze(-1) * self.inv_freq.to(x.device)
             c, s = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         else:
             if cos is None or sin is None:

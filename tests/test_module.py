@@ -117,6 +117,24 @@ def test_tables_requiring_grad_refused(name):
     layer(x, t["cos"].detach(), t["sin"].detach())
 
 
+def test_position_ids_shapes():
+    """position_ids broadcast to the query's leading dims; extra leading dims of size 1 are dropped (HF's [1, T] for a
+    flattened x [T, K]). Any other shape is a ValueError naming position_ids, not an expand error."""
+    layer = layer_(precision="bf16", output_format="bf16")
+    x = torch.randn(5, K, device=DEV)
+    pos = torch.arange(3, 8, device=DEV)
+    ref = dense(layer(x, position_ids=pos))
+    for p in (pos[None], pos[None, None]):
+        assert torch.equal(dense(layer(x, position_ids=p)), ref), f"position_ids {tuple(p.shape)} for x [T, K]"
+    xb = torch.stack([x, 2 * x])  # [b, s, K]
+    ref_b = dense(layer(xb, position_ids=torch.stack([pos, pos])))
+    for p in (pos, pos[None], pos[None, None]):
+        assert torch.equal(dense(layer(xb, position_ids=p)), ref_b), f"position_ids {tuple(p.shape)} for x [b, s, K]"
+    for p in (pos[:, None], torch.stack([pos, pos]), pos[None].expand(5, 5), torch.arange(6, device=DEV)):
+        with pytest.raises(ValueError, match="position_ids"):
+            layer(x, position_ids=p)
+
+
 def test_forward_device_mismatch():
     layer = layer_()
     x = torch.randn(5, K, device=DEV)
