@@ -140,6 +140,11 @@ class FusedMLAQUpProjection(nn.Module):
         if self.inv_freq.dtype != torch.float32:
             inv_freq, _ = rope_inv_freq(self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
             self.inv_freq = inv_freq.to(self.inv_freq.device)
+        # a cast to a dtype the layer does not run (`.double()`) is refused here, not at the next forward
+        for name, p in (("weight", self.weight), ("norm_weight", self.norm_weight)):
+            if p.dtype not in _ACT_DTYPES:
+                raise TypeError(f"FusedMLAQUpProjection parameters must be one of {_ACT_DTYPES}; the cast made "
+                                f"{name} {p.dtype}")
         return self
 
     def reset_parameters(self) -> None:

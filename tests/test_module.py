@@ -545,6 +545,19 @@ def test_unsupported_parameter_dtype_refused_at_construction(dtype):
             torch.set_default_dtype(old)
 
 
+@pytest.mark.filterwarnings("ignore:Complex modules:UserWarning")  # torch's, for the complex cast
+@pytest.mark.parametrize("cast", ["to_float64", "double", "to_complex64", "in_a_model"])
+def test_unsupported_dtype_cast_refused(cast):
+    """`module.to(dtype)` to a parameter dtype the layer does not run raises at the cast (naming the dtype), not at
+    the next forward."""
+    layer = layer_()
+    casts = {"to_float64": lambda m: m.to(torch.float64), "double": lambda m: m.double(),
+             "to_complex64": lambda m: m.to(torch.complex64),
+             "in_a_model": lambda m: nn.Sequential(nn.Linear(4, 4), m).to(torch.float64)}
+    with pytest.raises(TypeError, match="float64" if cast != "to_complex64" else "complex64"):
+        casts[cast](layer)
+
+
 # ----------------------------------------------------------------------------------- 6. mxfp8_quantize
 
 
