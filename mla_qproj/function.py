@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import backend
 from ._config import QProjConfig
@@ -69,6 +70,7 @@ class _FusedMLAQUpProjFunction(torch.autograd.Function):
         return q
 
     @staticmethod
+    @once_differentiable  # the backward's math is not differentiable: a double backward raises, never a wrong grad
     def backward(ctx, dq):
         cfg: QProjConfig = ctx.cfg
         x2d, rsigma, norm_weight, cos_h, sin_h, *saved = ctx.saved_tensors

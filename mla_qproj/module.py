@@ -36,6 +36,20 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_on_optimizer_step)
 
 
+def _check_rmsnorm(norm) -> None:
+    """from_modules computes RMSNorm whatever module it is given: refuse one that computes something else (a
+    LayerNorm subtracts the mean and adds a bias). Accepted: torch.nn.RMSNorm, and a class named *RMSNorm (HF's
+    DeepseekV3RMSNorm) with `weight` and `eps` or `variance_epsilon`."""
+    name = type(norm).__name__
+    if getattr(norm, "bias", None) is not None:
+        raise ValueError(f"norm ({name}) has a bias: the layer computes RMSNorm, which has none")
+    rms = isinstance(norm, nn.RMSNorm) or (name.endswith("RMSNorm") and hasattr(norm, "weight")
+                                           and (hasattr(norm, "eps") or hasattr(norm, "variance_epsilon")))
+    if not rms:
+        raise ValueError(f"norm must be an RMSNorm (torch.nn.RMSNorm, or a class named *RMSNorm with `weight` and "
+                         f"`eps` or `variance_epsilon`), got {name}: the layer computes RMSNorm whatever norm it wraps")
+
+
 class FusedMLAQUpProjection(nn.Module):
     """q = RoPE(W_uq · RMSNorm(x)) for Multi-head Latent Attention, with MXFP8 GEMM inputs and query (SPEC §1).
 
@@ -68,8 +82,8 @@ class FusedMLAQUpProjection(nn.Module):
             kernel only (compiled graphs and other GEMM paths gather first). Default False.
 
     Shapes: x [..., K] (any leading layout) -> q [..., H, D] (H/tp local heads; under sequence parallelism the first
-    dimension is tp times x's); cos/sin broadcast against [..., R] (or [..., R/2]) and position_ids against the
-    query's leading dims.
+    dimension is tp times x's); cos/sin broadcast against [..., R] (or [..., R/2]) and position_ids to the
+    query's leading dims (leading dims of size 1 beyond them dropped: HF's [1, T] for x [T, K]).
 
     Example:
         >>> layer = FusedMLAQUpProjection(1536, 128, 128, 64)
@@ -126,6 +140,11 @@ class FusedMLAQUpProjection(nn.Module):
         if self.inv_freq.dtype != torch.float32:
             inv_freq, _ = rope_inv_freq(self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
             self.inv_freq = inv_freq.to(self.inv_freq.device)
+        # a cast to a dtype the layer does not run (`.double()`) is refused here, not at the next forward
+        for name, p in (("weight", self.weight), ("norm_weight", self.norm_weight)):
+            if p.dtype not in _ACT_DTYPES:
+                raise TypeError(f"FusedMLAQUpProjection parameters must be one of {_ACT_DTYPES}; the cast made "
+                                f"{name} {p.dtype}")
         return self
 
     def reset_parameters(self) -> None:
@@ -141,13 +160,15 @@ class FusedMLAQUpProjection(nn.Module):
     @classmethod
     def from_modules(cls, norm: nn.Module, linear: nn.Module, *, num_heads: int, qk_head_dim: int,
                      qk_pos_emb_head_dim: int, **kwargs) -> FusedMLAQUpProjection:
-        """Wrap an existing RMSNorm and bias-free Linear, sharing (not copying) their weights.
+        """Wrap an existing RMSNorm and bias-free Linear, sharing (not copying) their weights. Another norm (a
+        LayerNorm, a norm with a bias) raises ValueError.
 
         eps comes from the norm's `eps` or `variance_epsilon` (unless given); q_head_dim defaults to
         linear.out_features // num_heads. With `tp_group` the linear is this rank's column-parallel shard
         (Megatron's ColumnParallelLinear: out_features = num_heads / tp * q_head_dim) and num_heads is the global
         count. Raises ValueError when the shapes do not fit.
         """
+        _check_rmsnorm(norm)
         nw = getattr(norm, "weight", None)
         lw = getattr(linear, "weight", None)
         if not isinstance(nw, nn.Parameter) or nw.dim() != 1:
@@ -239,13 +260,18 @@ class FusedMLAQUpProjection(nn.Module):
                 raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
             if position_ids.device != x.device:
                 raise ValueError(f"position_ids is on {position_ids.device}, x on {x.device}")
-            try:
-                if position_ids.shape != lead:
-                    torch.broadcast_shapes(position_ids.shape, lead)
-            except RuntimeError as e:
-                raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} does not broadcast against "
-                                 f"the query's leading dims {tuple(lead)}") from e
-            freqs = position_ids.float().unsqueeze(-1) * self.inv_freq.to(x.device)
+            pos = position_ids
+            if pos.shape != lead:
+                while pos.dim() > len(lead) and pos.shape[0] == 1:  # HF's [1, T] for a flattened x [T, K]
+                    pos = pos[0]
+                try:
+                    fits = torch.broadcast_shapes(pos.shape, lead) == lead
+                except RuntimeError:
+                    fits = False
+                if not fits:
+                    raise ValueError(f"position_ids of shape {tuple(position_ids.shape)} does not broadcast to the "
+                                     f"query's leading dims {tuple(lead)} (leading dims of size 1 dropped)")
+            freqs = pos.float().unsqueeze(-1) * self.inv_freq.to(x.device)
             c, s = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         else:
             if cos is None or sin is None:
@@ -257,6 +283,9 @@ class FusedMLAQUpProjection(nn.Module):
                     raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
                 if t.device != x.device:
                     raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+                if t.requires_grad:
+                    raise ValueError(f"{name} requires grad, but the cos/sin tables get no gradient from the layer; "
+                                     f"pass detached tables ({name}.detach())")
                 if t.dim() == 0 or t.shape[-1] not in (self.cfg.rope_dim, half):
                     raise ValueError(f"{name} last dim must be qk_pos_emb_head_dim ({self.cfg.rope_dim}) or half of "
                                      f"it ({half}), got shape {tuple(t.shape)}")

@@ -104,6 +104,37 @@ def test_forward_value_errors():
         layer(x, position_ids=torch.arange(6, device=DEV))
 
 
+@pytest.mark.parametrize("name", ["cos", "sin"])
+def test_tables_requiring_grad_refused(name):
+    """The layer gives the RoPE tables no gradient: a table that asks for one is refused (else it stays None)."""
+    layer = layer_()
+    x = torch.randn(5, K, device=DEV, requires_grad=True)
+    t = dict(zip(("cos", "sin"), tables((5,)), strict=True))
+    t[name] = t[name].clone().requires_grad_(True)
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode), pytest.raises(ValueError, match=rf"{name}.*no gradient"):
+            layer(x, t["cos"], t["sin"])
+    layer(x, t["cos"].detach(), t["sin"].detach())
+
+
+def test_position_ids_shapes():
+    """position_ids broadcast to the query's leading dims; extra leading dims of size 1 are dropped (HF's [1, T] for a
+    flattened x [T, K]). Any other shape is a ValueError naming position_ids, not an expand error."""
+    layer = layer_(precision="bf16", output_format="bf16")
+    x = torch.randn(5, K, device=DEV)
+    pos = torch.arange(3, 8, device=DEV)
+    ref = dense(layer(x, position_ids=pos))
+    for p in (pos[None], pos[None, None]):
+        assert torch.equal(dense(layer(x, position_ids=p)), ref), f"position_ids {tuple(p.shape)} for x [T, K]"
+    xb = torch.stack([x, 2 * x])  # [b, s, K]
+    ref_b = dense(layer(xb, position_ids=torch.stack([pos, pos])))
+    for p in (pos, pos[None], pos[None, None]):
+        assert torch.equal(dense(layer(xb, position_ids=p)), ref_b), f"position_ids {tuple(p.shape)} for x [b, s, K]"
+    for p in (pos[:, None], torch.stack([pos, pos]), pos[None].expand(5, 5), torch.arange(6, device=DEV)):
+        with pytest.raises(ValueError, match="position_ids"):
+            layer(x, position_ids=p)
+
+
 def test_forward_device_mismatch():
     layer = layer_()
     x = torch.randn(5, K, device=DEV)
@@ -209,6 +240,21 @@ def test_mxfp8_quantize_errors():
     assert q.columnwise_scale.shape == (2, 48)
 
 
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_double_backward_refused(backend, precision):
+    """The backward is not itself differentiable: a second differentiation through it raises instead of returning a
+    gradient that misses the backward's own dependence on x and the weights."""
+    layer = layer_(precision=precision, output_format="bf16", backend=backend)
+    x = torch.randn(5, K, device=DEV, requires_grad=True)
+    q = dense(layer(x, *tables((5,))))
+    (gx,) = torch.autograd.grad(q.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):  # gx's graph does not reach x or the weight
+        torch.autograd.grad(gx.square().sum(), [x, layer.weight])
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()
+
+
 # ------------------------------------------------------------------------------------- 3. from_modules
 
 
@@ -264,6 +310,38 @@ def test_from_modules_rejects():
     with pytest.raises(ValueError):
         FusedMLAQUpProjection.from_modules(nn.RMSNorm(K, elementwise_affine=False), nn.Linear(K, H * 64, bias=False),
                                            **kw)
+
+
+class ScaleNorm(nn.Module):
+    """A norm with `weight` and `eps` that is not an RMSNorm."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = 1e-6
+
+
+class BiasedRMSNorm(HFRMSNorm):
+    def __init__(self, hidden, eps):
+        super().__init__(hidden, eps)
+        self.bias = nn.Parameter(torch.zeros(hidden))
+
+
+class NoEpsRMSNorm(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+
+
+@pytest.mark.parametrize("norm", [nn.LayerNorm(K), nn.LayerNorm(K, bias=False), ScaleNorm(K), BiasedRMSNorm(K, 1e-6),
+                                  NoEpsRMSNorm(K)],
+                         ids=["LayerNorm", "LayerNorm_no_bias", "ScaleNorm", "RMSNorm_bias", "RMSNorm_no_eps"])
+def test_from_modules_refuses_a_norm_it_does_not_compute(norm):
+    """The layer computes RMSNorm: any other norm (LayerNorm subtracts the mean and adds a bias) would silently give
+    another function."""
+    with pytest.raises(ValueError, match=rf"norm.*{type(norm).__name__}"):
+        FusedMLAQUpProjection.from_modules(norm, nn.Linear(K, H * 64, bias=False), num_heads=H, qk_head_dim=NOPE,
+                                           qk_pos_emb_head_dim=R)
 
 
 # --------------------------------------------------------------------------------- 4. weight cache
@@ -465,6 +543,19 @@ def test_unsupported_parameter_dtype_refused_at_construction(dtype):
                 layer_()
         finally:
             torch.set_default_dtype(old)
+
+
+@pytest.mark.filterwarnings("ignore:Complex modules:UserWarning")  # torch's, for the complex cast
+@pytest.mark.parametrize("cast", ["to_float64", "double", "to_complex64", "in_a_model"])
+def test_unsupported_dtype_cast_refused(cast):
+    """`module.to(dtype)` to a parameter dtype the layer does not run raises at the cast (naming the dtype), not at
+    the next forward."""
+    layer = layer_()
+    casts = {"to_float64": lambda m: m.to(torch.float64), "double": lambda m: m.double(),
+             "to_complex64": lambda m: m.to(torch.complex64),
+             "in_a_model": lambda m: nn.Sequential(nn.Linear(4, 4), m).to(torch.float64)}
+    with pytest.raises(TypeError, match="float64" if cast != "to_complex64" else "complex64"):
+        casts[cast](layer)
 
 
 # ----------------------------------------------------------------------------------- 6. mxfp8_quantize

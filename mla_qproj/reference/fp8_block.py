@@ -21,7 +21,7 @@ import torch
 
 from .._config import QProjConfig
 from .._constants import E4M3_MAX
-from .mxfp8 import _block_amax, _fp32_bits, encode_e4m3
+from .mxfp8 import _fp32_bits, encode_e4m3, nan_ignoring_amax
 from .qproj import quantize_output, rmsnorm_bwd, rmsnorm_fwd
 from .rope import apply_rope, apply_rope_inverse
 
@@ -104,7 +104,7 @@ def quantize_blocks(x2d: torch.Tensor, block_shape=(1, FP8_BLOCK),
         raise ValueError(f"x2d must be 2-D, got shape {tuple(x2d.shape)}")
     M, N = x2d.shape
     xf = x2d.float()
-    amax, _ = _block_amax(_blocks(xf, bm, bn), dim=-1)  # [ceil(M/bm), ceil(N/bn)]
+    amax = nan_ignoring_amax(_blocks(xf, bm, bn), dim=-1)  # [ceil(M/bm), ceil(N/bn)]
     scale, scale_inv = fp8_block_scale(amax, block_scale)
     return quantize_with_scale(xf, _expand(scale, bm, bn, M, N)), scale_inv
 
