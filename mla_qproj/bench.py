@@ -458,11 +458,11 @@ def _style(name: str) -> dict:
     """Bar colour and hatch: peers in greys (hatched), ours by precision."""
     if not name.startswith("ours"):
         greys = {"cublas_bf16_gemm": "0.1", "cublas_fp8_tensorwise_gemm": "0.3", "cublas_fp8_blockwise_gemm": "0.45",
-                 "compiled_unfused_mxfp8": "0.6", "unfused_fp8_block": "0.8"}
+                 "compiled_unfused_mxfp8": "0.6", "unfused_fp8_block": "0.8", "cute_fp8_rope_gemm": "0.9"}
         return {"color": greys.get(name, "0.75"), "hatch": "//" if name.startswith(("compiled", "unfused")) else ""}
     palette = {"fp8_block": "tab:red", "bf16_gemm": "tab:green", "mxfp8": "tab:blue"}
     color = next(c for key, c in palette.items() if key in name)
-    hatches = {"cudagraph": "..", "posids": "\\\\", "colwise": "oo", "_out": "xx"}  # one knob changed: its own hatch
+    hatches = {"cudagraph": "..", "posids": "\\\\", "colwise": "oo", "_out": "xx", "triton": "--"}  # one knob: own hatch
     return {"color": color, "hatch": next((h for key, h in hatches.items() if key in name), "")}
 
 

@@ -83,13 +83,23 @@ def serves(cfg: QProjConfig, device: torch.device) -> bool:
     or the DSL to compile one), and not disabled (`MLA_QPROJ_CUTE=0`). Says once why not, where it matters."""
     if device.type != "cuda" or not _enabled():
         return False
-    return _serves(cfg, device.index if device.index is not None else torch.cuda.current_device(),
+    return _serves(_op.encoded(cfg), device.index if device.index is not None else torch.cuda.current_device(),
                    os.environ.get(ENV_KERNELS, ""))
 
 
-@torch.compiler.assume_constant_result  # traced as its value: no file-system calls in a graph
-@functools.cache
-def _serves(cfg: QProjConfig, index: int, prebuilt: str) -> bool:
+_SERVES: dict[tuple, bool] = {}
+
+
+@torch.compiler.assume_constant_result  # torch.compile takes its value: no file-system calls in a graph
+def _serves(cfg: str, index: int, prebuilt: str) -> bool:
+    """cfg: the encoded config (a constant string under torch.compile, which cannot rebuild a dataclass)."""
+    got = _SERVES.get((cfg, index, prebuilt))
+    if got is None:
+        got = _SERVES[(cfg, index, prebuilt)] = _decide(QProjConfig.decode(cfg), index, prebuilt)
+    return got
+
+
+def _decide(cfg: QProjConfig, index: int, prebuilt: str) -> bool:
     if not supported(cfg) or torch.cuda.get_device_capability(index) != (9, 0):
         return False
     k = key(cfg, _num_sms(index))

@@ -32,6 +32,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
@@ -63,7 +64,8 @@ class Fp8BlockRopeGemmSm90:
     """y [T, H·D] bf16 = RoPE(blockwise A · Wᵀ), one [128, D] tile per (128 tokens, head)."""
 
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
-                 swizzle: int = 1, raster_along_m: bool = False, overlap: bool = False):
+                 swizzle: int = 4, raster_along_m: bool = False, overlap: bool = False, cluster_m: int = 2,
+                 split: bool = True):
         if K % BLOCK or D % 8 or D > 256 or R % 2 or P + R > D:
             raise ValueError(f"unsupported geometry K={K} D={D} P={P} R={R}")
         if style not in ("deepseek", "neox", "gptj") or (style == "neox" and (R // 2) % 8):
@@ -80,12 +82,15 @@ class Fp8BlockRopeGemmSm90:
         # the tile's D columns as `parts` WGMMA sub-tiles, one at a time through one block buffer: 96 + 48 fp32
         # registers for D = 192 instead of 96 + 96 (which spills next to the addresses and scales)
         self.k_tiles = K // BLOCK
-        self.parts = 2 if D > 128 and D % 16 == 0 else 1
+        self.parts = 2 if split and D > 128 and D % 16 == 0 else 1
         self.sub = D // self.parts
         # overlap: two block buffers, one per sub-tile, so that one sub-tile's WGMMAs run while the other is promoted
         # (96 + 2 x 48 registers). Off by default: on an H200 it ran slower than the serial order (2.37 against 1.98 ms
         # at T = 16384, DeepSeek-V3 shape), which the two warpgroups already overlap with each other
         self.overlap = overlap and self.parts == 2
+        # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
+        # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
+        self.cluster_m = cluster_m
         self.w_blocks = -(-self.N // BLOCK)  # rows of W's 128x128 scale grid
         self.span = (BLOCK - 8 + D + BLOCK - 1) // BLOCK  # W blocks one head can touch (at most)
         self.threads = 3 * 128
@@ -118,16 +123,18 @@ class Fp8BlockRopeGemmSm90:
 
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(a_smem, (None, None, 0)), (self.bm, self.bk))
-        tma_b, tB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB,
-                                                cute.slice_(b_smem, (None, None, 0)), (self.bn, self.bk))
+        b_op = cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp()
+        tma_b, tB = cpasync.make_tiled_tma_atom(b_op, mB, cute.slice_(b_smem, (None, None, 0)), (self.bn, self.bk),
+                                                num_multicast=self.cluster_m)
         tma_y, tY = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mY,
                                                 cute.slice_(y_smem, (None, None, 0)), (ROWS_PER_WG, self.bn))
 
         T = mA.shape[0]
         num_m = (T + self.bm - 1) // self.bm
-        sched = utils.PersistentTileSchedulerParams((num_m, self.H, 1), (1, 1, 1), self.swizzle,
+        num_m = (num_m + self.cluster_m - 1) // self.cluster_m * self.cluster_m  # whole clusters (extra tiles: past T)
+        sched = utils.PersistentTileSchedulerParams((num_m, self.H, 1), (self.cluster_m, 1, 1), self.swizzle,
                                                     self.raster_along_m)
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.num_sms)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.num_sms // self.cluster_m)
 
         @cute.struct
         class Storage:
@@ -138,8 +145,8 @@ class Fp8BlockRopeGemmSm90:
 
         self.storage = Storage
         self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, mSA, mSW, mCos, mSin, a_smem, b_smem, y_smem,
-                    sched).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1,
-                                  stream=stream)
+                    sched).launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1),
+                                  min_blocks_per_mp=1, stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
 
@@ -161,12 +168,15 @@ class Fp8BlockRopeGemmSm90:
         a_stage = cute.slice_(a_smem, (None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, 0))
         tx_bytes = cute.size_in_bytes(self.a_dtype, a_stage) + cute.size_in_bytes(self.b_dtype, b_stage)
+        cm = self.cluster_m
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # = the CTA's M offset in the cluster
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4),  # one arrive per consumer warp
-            tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-        cute.arch.sync_threads()
+            # a stage is free when the consumer warps of every CTA it was multicast to released it
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4 * cm),
+            tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)), defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=(cm, 1), is_relaxed=True)
 
         sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
@@ -177,8 +187,10 @@ class Fp8BlockRopeGemmSm90:
         gY = cute.local_tile(mY, (ROWS_PER_WG, self.bn), (None, None))  # (64, bn, m64, n)
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, rank, cute.make_layout(cm), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))  # this CTA's 1/cm of the W tile
+        b_mask = cute.make_layout_image_mask(cute.make_layout((cm, 1, 1)), (rank, 0, 0), mode=0) if cm > 1 else 0
+        pipeline_init_wait(cluster_shape_mn=(cm, 1))
         tYsY, tYgY = cpasync.tma_partition(tma_y, 0, cute.make_layout(1), cute.group_modes(sY, 0, 2),
                                            cute.group_modes(gY, 0, 2))
 
@@ -195,7 +207,8 @@ class Fp8BlockRopeGemmSm90:
                         ring.producer_acquire(state)
                         bar = ring.producer_get_barrier(state)
                         cute.copy(tma_a, tAgA[(None, m, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b, tBgB[(None, n, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, n, k)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                                  mcast_mask=b_mask)
                         ring.producer_commit(state)
                         state.advance()
                     tiles.advance_to_next_work()
