@@ -64,7 +64,7 @@ class Fp8BlockRopeGemmSm90:
     """y [T, H·D] bf16 = RoPE(blockwise A · Wᵀ), one [128, D] tile per (128 tokens, head)."""
 
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
-                 swizzle: int = 4, raster_along_m: bool = False, overlap: bool = False, cluster_m: int = 2,
+                 swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2,
                  split: bool = True):
         if K % BLOCK or D % 8 or D > 256 or R % 2 or P + R > D:
             raise ValueError(f"unsupported geometry K={K} D={D} P={P} R={R}")
@@ -84,10 +84,6 @@ class Fp8BlockRopeGemmSm90:
         self.k_tiles = K // BLOCK
         self.parts = 2 if split and D > 128 and D % 16 == 0 else 1
         self.sub = D // self.parts
-        # overlap: two block buffers, one per sub-tile, so that one sub-tile's WGMMAs run while the other is promoted
-        # (96 + 2 x 48 registers). Off by default: on an H200 it ran slower than the serial order (2.37 against 1.98 ms
-        # at T = 16384, DeepSeek-V3 shape), which the two warpgroups already overlap with each other
-        self.overlap = overlap and self.parts == 2
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
         self.cluster_m = cluster_m
@@ -226,8 +222,6 @@ class Fp8BlockRopeGemmSm90:
                     for p in range(self.parts)]
             acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
             blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32)
-            blk2 = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub if self.overlap else 8)),
-                                         cutlass.Float32)
             k_blocks = cute.size(tCrA, mode=[2])
 
             lane = tidx % 32
@@ -253,69 +247,21 @@ class Fp8BlockRopeGemmSm90:
                 cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
                 tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
                 self._load_scales(nxt, mSA, mSW, 0, r0, r1, b0)
-                if cutlass.const_expr(self.overlap):
-                    # steady state per K block k: [MMA0(k), MMA1(k) in flight] wait MMA0(k) -> promote 0 ->
-                    # issue MMA0(k + 1) -> wait MMA1(k) -> release stage k -> promote 1 -> issue MMA1(k + 1)
-                    self._next_scales(cur, nxt, None, mSA, mSW, mCos, mSin, 0, r0, r1, b0, q)
+                for k in cutlass.range(self.k_tiles, unroll=1):
+                    self._next_scales(cur, nxt, tab, mSA, mSW, mCos, mSin, k, r0, r1, b0, q)
                     ring.consumer_wait(state)
-                    warpgroup.fence()  # the K block's WGMMAs into blk, zeroed by the first, as one group
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)], tCrB[0][(None, None, kb, state.index)], blk)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    warpgroup.fence()  # the K block's WGMMAs into blk2, zeroed by the first, as one group
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                    for kb in cutlass.range_constexpr(k_blocks):
-                        cute.gemm(tiled_mma, blk2, tCrA[(None, None, kb, state.index)], tCrB[1][(None, None, kb, state.index)], blk2)
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    rel = state.clone()
-                    state.advance()
-                    for k in cutlass.range(self.k_tiles - 1, unroll=1):  # the last block is peeled below
-                        warpgroup.wait_group(1)
-                        self._promote(acc, blk, cur, col0 - b0 * BLOCK, 0)
-                        ring.consumer_wait(state)
+                    for part in cutlass.range_constexpr(self.parts):
                         warpgroup.fence()  # the K block's WGMMAs into blk, zeroed by the first, as one group
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kb in cutlass.range_constexpr(k_blocks):
-                            cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)], tCrB[0][(None, None, kb, state.index)], blk)
+                            cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)], tCrB[part][(None, None, kb, state.index)], blk)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        ring.consumer_release(rel)
-                        rel.advance()
-                        self._promote(acc, blk2, cur, col0 - b0 * BLOCK, 1)
-                        warpgroup.fence()  # the K block's WGMMAs into blk2, zeroed by the first, as one group
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            cute.gemm(tiled_mma, blk2, tCrA[(None, None, kb, state.index)], tCrB[1][(None, None, kb, state.index)], blk2)
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        warpgroup.commit_group()
-                        state.advance()
-                        self._next_scales(cur, nxt, None, mSA, mSW, mCos, mSin, k + 1, r0, r1, b0, q)
-                    warpgroup.wait_group(1)
-                    self._promote(acc, blk, cur, col0 - b0 * BLOCK, 0)
-                    self._load_tables(tab, mCos, mSin, r0, r1, q)  # blk is free: room for the tables
-                    warpgroup.wait_group(0)
-                    ring.consumer_release(rel)
-                    self._promote(acc, blk2, cur, col0 - b0 * BLOCK, 1)
-                else:
-                    for k in cutlass.range(self.k_tiles, unroll=1):
-                        self._next_scales(cur, nxt, tab, mSA, mSW, mCos, mSin, k, r0, r1, b0, q)
-                        ring.consumer_wait(state)
-                        for part in cutlass.range_constexpr(self.parts):
-                            warpgroup.fence()  # the K block's WGMMAs into blk, zeroed by the first, as one group
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                            for kb in cutlass.range_constexpr(k_blocks):
-                                cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)], tCrB[part][(None, None, kb, state.index)], blk)
-                                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                            warpgroup.commit_group()
-                            warpgroup.wait_group(0)
-                            if cutlass.const_expr(part == self.parts - 1):
-                                ring.consumer_release(state)
-                            self._promote(acc, blk, cur, col0 - b0 * BLOCK, part)
-                        state.advance()
+                        warpgroup.wait_group(0)
+                        if cutlass.const_expr(part == self.parts - 1):
+                            ring.consumer_release(state)
+                        self._promote(acc, blk, cur, col0 - b0 * BLOCK, part)
+                    state.advance()
 
                 # -------------------------------------------------------------------------------- epilogue
                 if ct % 128 == 0:
