@@ -43,9 +43,8 @@ def test_main_trains_every_available_precision(tmp_path):
     report = _run(tmp_path, "--layers", "1")  # the fused layer's Triton kernels, interpreted: ~1 s a step
     results = report["results"]
     assert list(results) == list(tp.PRECISIONS)
-    for name in ("composition", "bf16", "mxfp8"):
+    for name in tp.PRECISIONS:  # every precision the package has trains (losing one fails here)
         assert results[name]["status"] == "ok", (name, results[name])
-    assert results["fp8_block"]["status"] in ("ok", "skipped"), results["fp8_block"]
     trained = {k: r for k, r in results.items() if r["status"] == "ok"}
     for name, r in trained.items():
         assert len(r["losses"]) == 3 and len(r["accs"]) == 3, name

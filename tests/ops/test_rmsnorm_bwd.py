@@ -1,5 +1,6 @@
 """RMSNorm backward (kernels/rmsnorm_bwd.py) vs the reference: dx and dnorm_weight within their bounds over the
-program / row-chunk / partial-sum geometries, and run to run bit identical."""
+program / row-chunk / partial-sum geometries, and run to run bit identical on the GPU (the serial interpreter
+cannot differ run to run)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_rmsnorm_bwd(zc, T, K, small_sum):
     rdx, rdg = RQ.rmsnorm_bwd(dxn, x, rs, w, zc)
     assert_rel_err(dx.float(), rdx.float(), 1e-2, "dx")
     assert_rel_err(dg, rdg, 1e-5, "dnorm_weight")
-    dx2, dg2 = rmsnorm_bwd(dxn, x, rs, w, zc, config=conf)
-    assert_bytes_equal(dg2, dg, "dnorm_weight determinism")
-    assert_bytes_equal(dx2, dx, "dx determinism")
+    if DEVICE.type == "cuda":  # run to run: only compiled kernels, whose programs race, can differ
+        dx2, dg2 = rmsnorm_bwd(dxn, x, rs, w, zc, config=conf)
+        assert_bytes_equal(dg2, dg, "dnorm_weight determinism")
+        assert_bytes_equal(dx2, dx, "dx determinism")
