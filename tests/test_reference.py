@@ -23,10 +23,11 @@ from mla_qproj.reference.mxfp8 import dequantize_rowwise
 from mla_qproj.reference.rope import apply_rope
 
 from _tolerances import REL_ERR_FP8_BLOCK, REL_ERR_MXFP8, assert_bytes_equal, assert_rel_err
+from conftest import examples
 
 NAN = float("nan")
 INF = float("inf")
-HYP = settings(max_examples=15, deadline=None, derandomize=True)
+HYP = settings(max_examples=examples(15), deadline=None)
 
 
 def codes(t: torch.Tensor) -> list[int]:
@@ -75,7 +76,7 @@ def test_scale_pow2_rounds_down():
     assert si.tolist() == [2.0**-7, 2.0**-8, 1.0, 2.0, 2.0**-12]
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=examples(40), deadline=None)
 @given(e=st.integers(-148, 127), frac=st.floats(1.0, 2.0, exclude_max=True))
 def test_scale_pow2_exact_inverse(e, frac):
     # pow2: scale = 2^floor(log2(fp32(448 / amax))) (FLT_MAX on overflow), and scale_inv is exactly its inverse

@@ -21,9 +21,10 @@ from mla_qproj.reference.mxfp8 import (
     quantize_rowwise,
 )
 from mla_qproj.tensor import MXFP8Tensor
+from conftest import examples
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-HYP = settings(max_examples=25, deadline=None)
+HYP = settings(max_examples=examples(25), deadline=None)
 
 
 def _make(x, rowwise=True, columnwise=False, scale_mode="rceil", col_dims=1, requires_grad=False):

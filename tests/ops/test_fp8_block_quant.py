@@ -22,10 +22,10 @@ from mla_qproj.reference import fp8_block as F
 
 from _helpers import set_nan, special_matrix
 from _tolerances import assert_bytes_equal
-from conftest import DEVICE
+from conftest import DEVICE, examples
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # numpy under the interpreter
-HYP = settings(max_examples=12, deadline=None, derandomize=True)
+HYP = settings(max_examples=examples(12), deadline=None)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 B = F.FP8_BLOCK
 

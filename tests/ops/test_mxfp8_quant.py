@@ -21,7 +21,7 @@ from mla_qproj.reference import mxfp8 as RM  # the name the columnwise-image and
 
 from _helpers import _same_bytes_or_both_nan, bf16_subnormal_heavy
 from _tolerances import assert_bytes_equal
-from conftest import DEVICE
+from conftest import DEVICE, examples
 
 MODES = ["rceil", "floor"]
 
@@ -84,7 +84,7 @@ def test_kernel_matches_reference(scale_mode, T, dtype):
     _check(t, scale_mode, True, True)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=examples(20), deadline=None)
 @given(
     lead=st.lists(st.integers(1, 7), min_size=1, max_size=3),
     nblk=st.integers(1, 4),
