@@ -1,6 +1,6 @@
 """Input builders and a comparison shared by several test files: special-value matrices and NaNs of a chosen sign
-(the block-scaled FP8 kernels), mostly-subnormal bf16 inputs (the MXFP8 kernels), and byte equality that lets a
-bf16 / fp32 NaN differ in payload and sign."""
+(the block-scaled FP8 kernels), mostly-subnormal bf16 inputs (the MXFP8 kernels), byte equality that lets a
+bf16 / fp32 NaN differ in payload and sign, and a RoPE oracle written from the SPEC (`rope_oracle`)."""
 
 from __future__ import annotations
 
@@ -86,3 +86,16 @@ def assert_op_matches(caller, args: tuple, want: tuple) -> None:
     for got_op, got_eager, w in zip(caller.op(*args), caller(*args), want, strict=True):
         assert_bytes_equal(got_op, w, "op")
         assert_bytes_equal(got_eager, w, "eager caller")
+
+
+def rope_oracle(y: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, P: int, R: int, style: str) -> torch.Tensor:
+    """RoPE of y [..., H, D] written from SPEC §3's published definitions, without the package (an oracle independent
+    of `mla_qproj.reference.rope`): pair (a, b) -> (a·c - b·s, b·c + a·s) with c, s = cos_h[..., i], sin_h[..., i]
+    (half tables [..., R/2], broadcast over heads). deepseek: pair i = columns (2i, 2i + 1), written half-split
+    (a' to i, b' to R/2 + i); neox: (i, i + R/2) in place; gptj: (2i, 2i + 1) in place."""
+    r = y[..., P:P + R]
+    c, s = cos_h.unsqueeze(-2), sin_h.unsqueeze(-2)
+    a, b = (r[..., : R // 2], r[..., R // 2:]) if style == "neox" else (r[..., 0::2], r[..., 1::2])
+    ra, rb = a * c - b * s, b * c + a * s
+    rot = torch.stack((ra, rb), dim=-1).flatten(-2) if style == "gptj" else torch.cat((ra, rb), dim=-1)
+    return torch.cat((y[..., :P], rot, y[..., P + R:]), dim=-1)

@@ -19,6 +19,7 @@ from mla_qproj.kernels.rope_quant import rope_quant
 from mla_qproj.reference.mxfp8 import dequantize_columnwise
 from mla_qproj.reference.rope import apply_rope, apply_rope_inverse
 
+from _helpers import rope_oracle
 from conftest import examples
 from _tolerances import (
     MIN_CODE_MATCH,
@@ -66,13 +67,13 @@ def run(layer, x, cos=None, sin=None, pos=None, dy=None):
 
 
 def oracle(layer, x, cos, sin, dy, H, nope, R, style, eps=1e-6, zc=False):
-    """fp64 autograd of the unquantized math: RMSNorm -> x @ W^T -> RoPE (reference apply_rope) -> dense."""
+    """fp64 autograd of the unquantized math: RMSNorm -> x @ W^T -> RoPE (the test's own `rope_oracle`) -> dense."""
     x64 = x.detach().double().requires_grad_()
     nw = layer.norm_weight.detach().double().requires_grad_()
     w = layer.weight.detach().double().requires_grad_()
     xn = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * (nw + 1 if zc else nw)
     y = (xn @ w.t()).unflatten(-1, (H, -1))
-    q = apply_rope(y, cos[..., : R // 2].double(), sin[..., : R // 2].double(), nope, R, style)
+    q = rope_oracle(y, cos[..., : R // 2].double(), sin[..., : R // 2].double(), nope, R, style)
     grads = torch.autograd.grad(q, (x64, nw, w), dy.double())
     return q.detach(), dict(zip(GRADS, grads, strict=True))
 

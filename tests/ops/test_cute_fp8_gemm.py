@@ -16,6 +16,7 @@ from mla_qproj import FusedMLAQUpProjection
 from mla_qproj._config import QProjConfig
 from mla_qproj.kernels.cute import fp8_gemm
 
+from _helpers import rope_oracle
 from _tolerances import REL_ERR_BF16_ROUNDING
 from conftest import HAS_CUDA
 
@@ -84,23 +85,6 @@ def _blocks(x: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tens
     return (x.float() * s).clamp(-448.0, 448.0).to(F8), 1.0 / scale
 
 
-def _rope(y: torch.Tensor, cos_h, sin_h, P: int, R: int, style: str) -> torch.Tensor:
-    """RoPE of y [T, H, D] from the published definitions (SPEC §3), written here without the package."""
-    y = y.clone()
-    r = y[..., P:P + R]
-    c, s = cos_h[:, None, :], sin_h[:, None, :]
-    if style == "neox":
-        a, b = r[..., : R // 2], r[..., R // 2:]
-    else:
-        a, b = r[..., 0::2], r[..., 1::2]
-    ra, rb = a * c - b * s, b * c + a * s
-    if style == "gptj":
-        y[..., P:P + R] = torch.stack((ra, rb), dim=-1).flatten(-2)
-    else:  # deepseek writes the halves split; neox keeps them in place
-        y[..., P:P + R] = torch.cat((ra, rb), dim=-1)
-    return y
-
-
 def _case(T: int, cfg: QProjConfig, device):
     K, N = cfg.q_lora_rank, cfg.out_features
     a, sa = _blocks(torch.randn(T, K, device=device), 1, 128)  # sa [T, K/128]
@@ -112,8 +96,8 @@ def _case(T: int, cfg: QProjConfig, device):
     for kb in range(K // 128):
         ks = slice(kb * 128, (kb + 1) * 128)
         y += (a[:, ks].float() @ w[:, ks].float().t()) * sa[:, kb, None] * sw_rows[None, :, kb]
-    ref = _rope(y.view(T, cfg.num_heads, cfg.q_head_dim), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim,
-                cfg.rope_style)
+    ref = rope_oracle(y.view(T, cfg.num_heads, cfg.q_head_dim), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim,
+                      cfg.rope_style)
     return (a, sa.t().contiguous(), w, sw, cos_h, sin_h), ref
 
 
