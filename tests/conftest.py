@@ -1,6 +1,7 @@
 """Test lanes: on a machine without CUDA the Triton kernels run under Triton's interpreter
 (TRITON_INTERPRET=1, set here before anything imports triton); with CUDA they run compiled.
-Tests marked `gpu` need CUDA and are skipped without it."""
+Tests marked `gpu` need CUDA and are skipped without it; tests marked `slow` (minutes on a 2-core machine) run with
+MLA_QPROJ_TESTS=full, as CI runs them."""
 
 from __future__ import annotations
 
@@ -56,13 +57,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+FULL = os.environ.get("MLA_QPROJ_TESTS", "") == "full"  # the slow tier too (CI sets it)
+
+
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    slow = pytest.mark.skip(reason="slow tier: MLA_QPROJ_TESTS=full runs it (CI does)")
+    gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not FULL:
+            item.add_marker(slow)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(gpu)
 
 
 @pytest.fixture(autouse=True)

@@ -177,7 +177,7 @@ def _worker(rank: int, world: int, port: int, cases: list, errdir: str, backend:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: minutes on 2 cores
 def test_tensor_and_sequence_parallel_match_tp1(world, tmp_path):
     try:
         mp.spawn(_worker, args=(world, _free_port(), CASES, str(tmp_path)), nprocs=world, join=True)

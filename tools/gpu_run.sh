@@ -11,6 +11,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"tests bench kernels"}
 export PYTHONUNBUFFERED=1
+export MLA_QPROJ_TESTS=${MLA_QPROJ_TESTS:-full}  # the slow tier too
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
