@@ -29,11 +29,21 @@ def _dense(q):
     return q.dequantize(torch.float32) if isinstance(q, MXFP8Tensor) else q.float()
 
 
+PRECISIONS = ("mxfp8", "bf16", "fp8_block")
+
+
+def _k_for(precision: str, K: int) -> int:
+    """fp8_block needs q_lora_rank % 128 == 0 (SPEC §5): the smallest such K >= the geometry's."""
+    return -(-K // 128) * 128 if precision == "fp8_block" else K
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("output_format", ["mxfp8", "bf16"])
 @pytest.mark.parametrize("geom", [(64, 2, 32, 32, 64), (256, 2, 128, 64, 192)])  # general path; fused GEMM path
-def test_compiled_module_matches_eager(output_format, geom):
+def test_compiled_module_matches_eager(output_format, geom, precision):
     K, H, nope, R, D = geom
-    layer = FusedMLAQUpProjection(K, H, nope, R, D, output_format=output_format, device=DEVICE)
+    K = _k_for(precision, K)
+    layer = FusedMLAQUpProjection(K, H, nope, R, D, precision=precision, output_format=output_format, device=DEVICE)
 
     def model(x, cos, sin):  # the layer and its consumer in one graph (an MXFP8Tensor never leaves it)
         return _dense(layer(x, cos, sin)) * 0.5
@@ -54,10 +64,12 @@ def test_compiled_module_matches_eager(output_format, geom):
         assert_bytes_equal(b, a, name)
 
 
-def test_compiled_module_follows_weight_updates():
-    layer = FusedMLAQUpProjection(64, 2, 32, 32, device=DEVICE)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_compiled_module_follows_weight_updates(precision):
+    K = _k_for(precision, 64)
+    layer = FusedMLAQUpProjection(K, 2, 32, 32, precision=precision, device=DEVICE)
     compiled = torch.compile(layer, fullgraph=True, backend=_BACKEND)  # inference: the layer alone
-    x = torch.randn(33, 64, device=DEVICE)
+    x = torch.randn(33, K, device=DEVICE)
     cos, sin = torch.randn(33, 32, device=DEVICE), torch.randn(33, 32, device=DEVICE)
     with torch.no_grad():
         before = _dense(compiled(x, cos, sin))
@@ -69,6 +81,10 @@ def test_compiled_module_follows_weight_updates():
 
 
 _FUSED = (64, 2, 32, 64, 96)  # K, H, nope, R, D: the fused GEMM path (its weight preparation is traced too)
+
+
+def _fused(precision: str) -> tuple[int, ...]:
+    return (_k_for(precision, _FUSED[0]),) + _FUSED[1:]
 
 
 def _sdpa_consumer(q, dy):
@@ -114,14 +130,16 @@ def _assert_same_query_and_grads(q_c, g_c, q_e, g_e, label):
         assert_bytes_equal(a, b, f"{label}: {name}")
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("output_format", ["mxfp8", "bf16"])
-def test_compiled_layer_alone_takes_a_dense_gradient(output_format):
+def test_compiled_layer_alone_takes_a_dense_gradient(output_format, precision):
     """torch.compile(layer) on its own: the query leaves the compiled region and eager code makes its gradient,
     a dense tensor (SPEC §4). Every consumer's backward equals eager bit for bit (AOTAutograd used to demand an
     MXFP8Tensor gradient for an MXFP8Tensor output)."""
-    layer = FusedMLAQUpProjection(*_FUSED, output_format=output_format, device=DEVICE)
+    geom = _fused(precision)
+    layer = FusedMLAQUpProjection(*geom, precision=precision, output_format=output_format, device=DEVICE)
     compiled = torch.compile(layer, fullgraph=True, backend=_BACKEND)
-    x, cos, sin = _inputs(_FUSED)
+    x, cos, sin = _inputs(geom)
     dtype = torch.float32 if output_format == "mxfp8" else torch.bfloat16
     dy = torch.randn(33, _FUSED[1], _FUSED[4], device=DEVICE).to(dtype)
     # ("dequantize" hands the layer the same plain gradient as "backward": the inductor test runs it)
@@ -154,15 +172,16 @@ def _warnings_of_ours(records) -> list[str]:
 
 
 @pytest.mark.parametrize("output_format", ["mxfp8", "bf16"])
-@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_compile_emits_no_warnings_of_ours(precision, output_format, monkeypatch):
     """fullgraph compile + forward + backward on the fused GEMM path: no warning from (or about) the package."""
     # dynamo reports a warning once per process: start from an empty record so the test does not depend on order
     if hasattr(torch._dynamo.utils, "warn_once_cache"):
         monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
-    layer = FusedMLAQUpProjection(*_FUSED, precision=precision, output_format=output_format, device=DEVICE)
+    geom = _fused(precision)
+    layer = FusedMLAQUpProjection(*geom, precision=precision, output_format=output_format, device=DEVICE)
     compiled = torch.compile(layer, fullgraph=True, backend=_BACKEND)
-    x, cos, sin = _inputs(_FUSED)
+    x, cos, sin = _inputs(geom)
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         _dense(compiled(x, cos, sin)).backward(torch.randn(33, _FUSED[1], _FUSED[4], device=DEVICE))

@@ -20,35 +20,36 @@ from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
 
 WORLD = 2
 STEPS = 3
-GEOM = (64, 2, 32, 32, 64)  # K, H, nope, R, D
+GEOMS = {"mxfp8": (64, 2, 32, 32, 64), "fp8_block": (128, 2, 32, 32, 64)}  # K, H, nope, R, D (SPEC §5: K % 128)
 T = 16
-FORMATS = ("mxfp8", "bf16")
+CASES = (("mxfp8", "mxfp8"), ("mxfp8", "bf16"), ("fp8_block", "mxfp8"), ("fp8_block", "bf16"))  # precision, output
 BACKEND = "torch"  # the reference path: FSDP2 sees the same module, Function and outputs; the interpreter is ~3x slower
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, output_format: str) -> None:
+    def __init__(self, precision: str, output_format: str) -> None:
         super().__init__()
-        self.q = FusedMLAQUpProjection(*GEOM, output_format=output_format, backend=BACKEND)
+        self.q = FusedMLAQUpProjection(*GEOMS[precision], precision=precision, output_format=output_format,
+                                       backend=BACKEND)
 
     def forward(self, x, cos, sin):
         return self.q(x, cos, sin)
 
 
-def _model(output_format: str) -> _Block:
+def _model(precision: str, output_format: str) -> _Block:
     torch.manual_seed(0)  # the same initial parameters on every rank and in the single-process run
-    m = _Block(output_format)
+    m = _Block(precision, output_format)
     with torch.no_grad():
         m.q.norm_weight.uniform_(0.5, 1.5)  # not all ones: its gradient path is exercised
     return m
 
 
-def _batch(step: int, rank: int):
+def _batch(precision: str, step: int, rank: int):
     """Rank `rank`'s batch at `step`: x, cos, sin and a random upstream gradient for the query."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    K, H, _, R, D = GEOM
+    K, H, _, R, D = GEOMS[precision]
     return (torch.randn(T, K, generator=g), torch.randn(T, R, generator=g), torch.randn(T, R, generator=g),
             torch.randn(T, H, D, generator=g))
 
@@ -78,17 +79,17 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         mesh = init_device_mesh("cpu", (WORLD,))  # CPU parameters also on a machine with a GPU
 
         result = {}
-        for output_format in FORMATS:
-            m = _model(output_format)
+        for precision, output_format in CASES:
+            m = _model(precision, output_format)
             fully_shard(m, mesh=mesh)
             opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
             views = []
             with warnings.catch_warnings(record=True) as records:
                 warnings.simplefilter("always")
                 for step in range(STEPS):
-                    views += _train_step(m, opt, [_batch(step, rank)], 1.0)
+                    views += _train_step(m, opt, [_batch(precision, step, rank)], 1.0)
             params = {name: p.full_tensor().detach().clone() for name, p in m.named_parameters()}
-            result[output_format] = dict(params=params, views=views,
+            result[precision, output_format] = dict(params=params, views=views,
                                          warnings=[f"{w.filename}:{w.lineno}: {w.message}" for w in records])
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()  # every rank done before any tears the group down (gloo aborts a peer still sending)
@@ -99,21 +100,23 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 def test_fully_shard_trains_like_one_process(tmp_path):
     mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for output_format in FORMATS:
-        m = _model(output_format)
+    for precision, output_format in CASES:
+        m = _model(precision, output_format)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
         views = []
         for step in range(STEPS):  # FSDP2 averages the ranks' gradients: accumulate both batches, scaled by 1/2
-            views += _train_step(m, opt, [_batch(step, r) for r in range(WORLD)], 1.0 / WORLD)
+            views += _train_step(m, opt, [_batch(precision, step, r) for r in range(WORLD)], 1.0 / WORLD)
         expected = dict(m.named_parameters())
         for rank, res in enumerate(results):
-            got = res[output_format]
-            label = f"{output_format}, rank {rank}"
+            got = res[precision, output_format]
+            label = f"{precision} GEMMs, {output_format} query, rank {rank}"
             assert not any("view" in w for w in got["warnings"]), f"{label}: {got['warnings']}"
             assert got["views"] == [False] * STEPS, f"{label}: the layer returned a view"
             assert got["params"].keys() == expected.keys()
             for name, p in got["params"].items():
                 torch.testing.assert_close(p, expected[name].detach(), rtol=1e-5, atol=1e-6,
                                            msg=lambda m, name=name, label=label: f"{label}, {name}: {m}")
-                assert not torch.equal(p, _model(output_format).get_parameter(name).detach()), f"{name} never moved"
-        assert views == [False] * (STEPS * WORLD), f"{output_format}: the layer returned a view (one process)"
+                assert not torch.equal(p, _model(precision, output_format).get_parameter(name).detach()), \
+                    f"{label}: {name} never moved"
+        assert views == [False] * (STEPS * WORLD), f"{precision}, {output_format}: the layer returned a view (one " \
+            "process)"

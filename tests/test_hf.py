@@ -3,7 +3,9 @@
 Tiny random DeepseekV3 models on CPU (backend="auto": the Triton kernels under the interpreter on the CPU lane).
 Tolerances (tests/_tolerances.py): the patched query against a reference built from HF's own modules and RoPE
 functions with the layer's bf16 roundings (bf16 GEMM inputs, bf16 query): REL_ERR_BF16_ROUNDING; patched against
-unpatched fp32 HF (exact GEMM inputs): REL_ERR_BF16 for precision="bf16", REL_ERR_MXFP8 for MXFP8.
+unpatched fp32 HF (exact GEMM inputs): REL_ERR_BF16 for precision="bf16", REL_ERR_MXFP8 for MXFP8,
+REL_ERR_FP8_BLOCK for block-scaled FP8 (q_lora_rank 128: SPEC §5 needs a multiple of 128); the interpreter's
+fp8_block gradients against the PyTorch reference's (same quantization): REL_ERR_SAME_QUANT.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from conftest import examples
 from _tolerances import (  # noqa: E402
     REL_ERR_BF16,
     REL_ERR_BF16_ROUNDING,
+    REL_ERR_FP8_BLOCK,
     REL_ERR_MXFP8,
     REL_ERR_SAME_QUANT,
     assert_rel_err,
@@ -242,6 +245,58 @@ def test_logits_mxfp8():
     assert_rel_err(model(ids).logits, ref, REL_ERR_MXFP8, "logits (MXFP8)")
 
 
+FP8_BLOCK_RANK = 128  # q_lora_rank for precision="fp8_block" (SPEC §5: a multiple of 128)
+
+
+def _q_rank(precision: str) -> dict:
+    return {"q_lora_rank": FP8_BLOCK_RANK} if precision == "fp8_block" else {}
+
+
+@pytest.mark.parametrize("block_scale", ["pow2", "fp32"])
+def test_logits_fp8_block(block_scale):
+    """precision="fp8_block" (1x128 / 128x128 blocks, SPEC §5) through the patch: every attention's fused layer runs
+    it with the requested block_scale, and the logits stay within the block-scaled FP8 bound of unpatched fp32."""
+    model = _model(q_lora_rank=FP8_BLOCK_RANK)
+    ids = _ids()
+    ref = model(ids).logits
+    patch_deepseek_v3(model, precision="fp8_block", block_scale=block_scale)
+    for a in _attentions(model):
+        cfg = fused_query_layer(a).cfg
+        assert (cfg.precision, cfg.block_scale, cfg.q_lora_rank) == ("fp8_block", block_scale, FP8_BLOCK_RANK)
+    out = model(ids).logits
+    assert_rel_err(out, ref, REL_ERR_FP8_BLOCK, f"logits (fp8_block, {block_scale})")
+
+
+def test_backward_fp8_block():
+    """fp8_block gradients of the patched model: the interpreter's (backend="auto") within the same-quantization
+    bound of the PyTorch reference's. Then an optimizer step on the shared weights: each patched model's logits are
+    those of a freshly patched copy of its stepped weights (a stale cached 128x128-tile weight would not be)."""
+    model = _model(seed=3, q_lora_rank=FP8_BLOCK_RANK).train()
+    twin = copy.deepcopy(model)
+    ids = _ids(seed=4)
+    g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
+    patch_deepseek_v3(model, precision="fp8_block")
+    patch_deepseek_v3(twin, precision="fp8_block", backend="torch")
+    got, ref = _grad(model, ids, g), _grad(twin, ids, g)
+    assert sorted(got) == sorted(ref) and len(got) == 6
+    for name in ref:
+        assert_rel_err(got[name], ref[name], REL_ERR_SAME_QUANT, f"grad {name} (interpreter vs reference)")
+    with torch.no_grad():
+        before = model(ids).logits
+    for m in (model, twin):
+        params = [p for n, p in m.named_parameters() if "q_b_" in n or "q_a_layernorm" in n]
+        groups = [{"params": [p], "lr": 0.2 * (p.norm() / p.grad.norm()).item()} for p in params]
+        torch.optim.SGD(groups).step()
+    for m, backend in ((model, "auto"), (twin, "torch")):
+        fresh = unpatch_deepseek_v3(copy.deepcopy(m))
+        patch_deepseek_v3(fresh, precision="fp8_block", backend=backend)
+        with torch.no_grad():
+            after, want = m(ids).logits, fresh(ids).logits
+        assert torch.equal(after, want), f"{backend}: logits after an optimizer step are not the fresh layer's"
+        if m is model:
+            assert rel_err(after, before) > 5 * REL_ERR_FP8_BLOCK, "the step is too small to show a stale weight"
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_backward_matches(backend):
     """Gradients of q_a_proj / q_a_layernorm / q_b_proj weights through the patched model vs unpatched."""
@@ -368,16 +423,17 @@ def test_to_dtype_keeps_sharing():
     assert_rel_err(out.float(), ref.float(), REL_ERR_BF16, "logits after .to(bf16)")
 
 
-def test_unpatch_restores_exactly():
-    model = _model()
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_unpatch_restores_exactly(precision):
+    model = _model(**_q_rank(precision))
     ids = _ids()
     ref = model(ids).logits
     twin = copy.deepcopy(model)
     before = [dict(a.__dict__) for a in _attentions(twin)]
     patch_deepseek_v3(twin, precision="mxfp8")
-    patch_deepseek_v3(twin)  # a second patch replaces the first
+    patch_deepseek_v3(twin, precision=precision)  # a second patch replaces the first
     for a in _attentions(twin):
-        assert "forward" in a.__dict__ and fused_query_layer(a).cfg.precision == "bf16"
+        assert "forward" in a.__dict__ and fused_query_layer(a).cfg.precision == precision
     assert not torch.equal(twin(ids).logits, ref)
     unpatch_deepseek_v3(twin)
     for a, d in zip(_attentions(twin), before, strict=True):

@@ -16,11 +16,17 @@ from _tolerances import REL_ERR_SAME_QUANT, assert_bytes_equal, rel_err
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 K, H, NOPE, R = 64, 2, 32, 32
+K_FP8_BLOCK = 128  # precision="fp8_block" needs q_lora_rank % 128 == 0 (SPEC §5)
+PRECISIONS = ("mxfp8", "bf16", "fp8_block")
+
+
+def k_for(precision: str) -> int:
+    return K_FP8_BLOCK if precision == "fp8_block" else K
 
 
 def layer_(**kw):
     kw.setdefault("device", DEV)
-    return FusedMLAQUpProjection(K, H, NOPE, R, **kw)
+    return FusedMLAQUpProjection(k_for(kw.get("precision", "mxfp8")), H, NOPE, R, **kw)
 
 
 def tables(lead, rope=R, device=DEV):
@@ -378,11 +384,11 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "bf16"])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_cache_follows_optimizer_steps(opt_name, precision):
     layer = layer_(precision=precision)
-    x = torch.randn(33, K, device=DEV)
+    x = torch.randn(33, k_for(precision), device=DEV)
     cos, sin = tables((33,))
     opt = OPTIMIZERS[opt_name](layer.parameters())
     before = dense(layer(x, cos, sin))
@@ -396,14 +402,16 @@ def test_cache_follows_optimizer_steps(opt_name, precision):
         before = now
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_copied_layer_cache_follows_fused_optimizer(how):
+def test_copied_layer_cache_follows_fused_optimizer(how, precision):
     """A copy of a layer (deepcopy, torch.save / load) has new parameters; a fused optimizer's steps (no `_version`
     bump) must still refresh its quantized weight."""
     import io
 
-    orig = layer_()
-    orig(torch.randn(5, K, device=DEV), *tables((5,)))  # a cache exists in the original
+    k = k_for(precision)
+    orig = layer_(precision=precision)
+    orig(torch.randn(5, k, device=DEV), *tables((5,)))  # a cache exists in the original
     if how == "deepcopy":
         layer = copy.deepcopy(orig)
     else:
@@ -411,11 +419,14 @@ def test_copied_layer_cache_follows_fused_optimizer(how):
         torch.save(orig, buf)
         buf.seek(0)
         layer = torch.load(buf, weights_only=False)
-    x = torch.randn(33, K, device=DEV)
+    x = torch.randn(33, k, device=DEV)
     cos, sin = tables((33,))
     opt = OPTIMIZERS["adamw_fused"](layer.parameters())
+    before = dense(layer(x, cos, sin))
     step_once(layer, opt, x, cos, sin)
-    assert torch.equal(dense(layer(x, cos, sin)), fresh_output(layer, x, cos, sin)), "stale quantized weight"
+    after = dense(layer(x, cos, sin))
+    assert not torch.equal(after, before), "the step did not change the output"
+    assert torch.equal(after, fresh_output(layer, x, cos, sin)), "stale quantized weight"
 
 
 def test_from_modules_allocates_no_weight_of_its_own():
@@ -426,9 +437,10 @@ def test_from_modules_allocates_no_weight_of_its_own():
     assert layer.inv_freq.dtype == torch.float32 and layer.inv_freq.device == lin.weight.device
 
 
-def test_cache_follows_in_place_and_new_parameter():
-    layer = layer_()
-    x = torch.randn(33, K, device=DEV)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cache_follows_in_place_and_new_parameter(precision):
+    layer = layer_(precision=precision)
+    x = torch.randn(33, k_for(precision), device=DEV)
     cos, sin = tables((33,))
     out0 = dense(layer(x, cos, sin))
     with torch.no_grad():
@@ -444,11 +456,12 @@ def test_cache_follows_in_place_and_new_parameter():
     assert torch.equal(dense(layer(x, cos, sin)), fresh_output(layer, x, cos, sin)), "load_state_dict"
 
 
-def test_refresh_after_write_through_data():
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_refresh_after_write_through_data(precision):
     """HF `_init_weights` style (`module.weight.data.normal_()`) writes through `.data` (own version counter,
     same storage): undetectable, so the documented `refresh_weight_cache()` must bring the output back in line."""
-    layer = layer_()
-    x = torch.randn(33, K, device=DEV)
+    layer = layer_(precision=precision)
+    x = torch.randn(33, k_for(precision), device=DEV)
     cos, sin = tables((33,))
     out0 = dense(layer(x, cos, sin))
     layer.weight.data.mul_(2)
@@ -456,9 +469,10 @@ def test_refresh_after_write_through_data():
     assert torch.equal(dense(layer(x, cos, sin)), 2 * out0), "stale quantized weight after refresh_weight_cache()"
 
 
-def test_cache_not_rebuilt_without_change():
-    layer = layer_()
-    x = torch.randn(33, K, device=DEV, requires_grad=True)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cache_not_rebuilt_without_change(precision):
+    layer = layer_(precision=precision)
+    x = torch.randn(33, k_for(precision), device=DEV, requires_grad=True)
     cos, sin = tables((33,))
     q = dense(layer(x, cos, sin))
     cached = layer._wcache
@@ -478,9 +492,10 @@ def test_cache_not_rebuilt_without_change():
 
 
 @pytest.mark.gpu
-def test_cache_follows_optimizer_steps_gpu():
-    test_cache_follows_optimizer_steps("adamw_foreach", "mxfp8")  # CUDA default: foreach
-    test_cache_follows_optimizer_steps("adamw_fused", "mxfp8")
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8_block"])
+def test_cache_follows_optimizer_steps_gpu(precision):
+    test_cache_follows_optimizer_steps("adamw_foreach", precision)  # CUDA default: foreach
+    test_cache_follows_optimizer_steps("adamw_fused", precision)
 
 
 # ------------------------------------------------------------------------- 5. repr and state_dict
