@@ -30,6 +30,8 @@ from _tolerances import (
     assert_rel_err,
 )
 
+pytestmark = pytest.mark.slow  # about a minute on two cores: the full tier (MLA_QPROJ_TESTS=full, CI)
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 K, H, NOPE = 128, 2, 32  # K % 128 == 0 for fp8_block (SPEC §5)
 # the RoPE width picks the forward's GEMM path for an MXFP8 query (bf16 queries always take the fused GEMM): R = 32
