@@ -284,9 +284,7 @@ def test_backward_fp8_block():
     with torch.no_grad():
         before = model(ids).logits
     for m in (model, twin):
-        params = [p for n, p in m.named_parameters() if "q_b_" in n or "q_a_layernorm" in n]
-        groups = [{"params": [p], "lr": 0.2 * (p.norm() / p.grad.norm()).item()} for p in params]
-        torch.optim.SGD(groups).step()
+        _step_query_weights(m)
     for m, backend in ((model, "auto"), (twin, "torch")):
         fresh = unpatch_deepseek_v3(copy.deepcopy(m))
         patch_deepseek_v3(fresh, precision="fp8_block", backend=backend)
@@ -295,6 +293,13 @@ def test_backward_fp8_block():
         assert torch.equal(after, want), f"{backend}: logits after an optimizer step are not the fresh layer's"
         if m is model:
             assert rel_err(after, before) > 5 * REL_ERR_FP8_BLOCK, "the step is too small to show a stale weight"
+
+
+def _step_query_weights(m) -> None:
+    """One SGD step on the query path's weights (q_b_proj, q_a_layernorm) that moves each by 20 % of its norm."""
+    params = [p for n, p in m.named_parameters() if "q_b_" in n or "q_a_layernorm" in n]
+    groups = [{"params": [p], "lr": 0.2 * (p.norm() / p.grad.norm()).item()} for p in params]
+    torch.optim.SGD(groups).step()
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -315,9 +320,7 @@ def test_backward_matches(backend):
     with torch.no_grad():
         before = twin(ids).logits
     for m in (twin, model):
-        params = [p for n, p in m.named_parameters() if "q_b_" in n or "q_a_layernorm" in n]
-        groups = [{"params": [p], "lr": 0.2 * (p.norm() / p.grad.norm()).item()} for p in params]
-        torch.optim.SGD(groups).step()
+        _step_query_weights(m)
     with torch.no_grad():
         after_ref, after = twin(ids).logits, model(ids).logits
     assert rel_err(after_ref, before) > 5 * REL_ERR_BF16, "the step is too small to show a stale weight"
