@@ -19,6 +19,8 @@ import pytest
 
 import mla_qproj
 
+pytestmark = pytest.mark.slow  # a child process compiling 12 configurations: about 40 s on two cores (CI's full tier)
+
 PRECISIONS = ("mxfp8", "fp8_block", "bf16")
 OUTPUT_FORMATS = ("mxfp8", "bf16")
 TABLES = ("position_ids", "cos_sin")
