@@ -64,8 +64,7 @@ class Fp8BlockRopeGemmSm90:
     """y [T, H·D] bf16 = RoPE(blockwise A · Wᵀ), one [128, D] tile per (128 tokens, head)."""
 
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
-                 swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2,
-                 split: bool = True):
+                 swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2):
         if K % BLOCK or D % 8 or D > 256 or R % 2 or P + R > D:
             raise ValueError(f"unsupported geometry K={K} D={D} P={P} R={R}")
         if style not in ("deepseek", "neox", "gptj") or (style == "neox" and (R // 2) % 8):
@@ -82,7 +81,7 @@ class Fp8BlockRopeGemmSm90:
         # the tile's D columns as `parts` WGMMA sub-tiles, one at a time through one block buffer: 96 + 48 fp32
         # registers for D = 192 instead of 96 + 96 (which spills next to the addresses and scales)
         self.k_tiles = K // BLOCK
-        self.parts = 2 if split and D > 128 and D % 16 == 0 else 1
+        self.parts = 2 if D > 128 and D % 16 == 0 else 1
         self.sub = D // self.parts
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
