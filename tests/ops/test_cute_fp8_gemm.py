@@ -135,8 +135,14 @@ def test_v3_vs_reference(style, T):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("geom,style,T", [((256, 4, 128, 64, 192), "deepseek", 33),
-                                          ((512, 8, 96, 64, 176), "gptj", 300)])
+                                          ((512, 8, 96, 64, 176), "gptj", 300),
+                                          ((640, 4, 128, 64, 192), "deepseek", 200),
+                                          ((128, 4, 128, 64, 192), "neox", 130),
+                                          ((384, 4, 64, 64, 128), "deepseek", 257)],
+                         ids=["k2", "k4_d176", "k5", "k1", "k3_d128"])
 def test_small_geometries(geom, style, T):
+    """K blocks even and odd (the main loop runs two per step: 1, 2, 3, 4 and 5 blocks), D = 128 (one sub-tile: the
+    loop without overlap)."""
     cfg = _cfg(geom, style)
     _needs_engine(cfg)
     args, ref = _case(T, cfg, torch.device("cuda"))

@@ -5,16 +5,19 @@ A warp-specialized persistent kernel of three warpgroups per CTA:
 - a producer warp (warpgroup 0, its other warps idle with 40 registers) streams the E4M3 codes of A [T, K] (xn's
   1x128 blocks along K) and of W [N, K] (128x128 tiles, nn.Linear row order) into a ring of shared-memory stages with
   TMA, one 128-wide K block per stage;
-- two consumer warpgroups (232 registers each) share one [128, D] output tile, 64 rows each: per K block the four
-  FP8 WGMMAs (k = 32) accumulate the block's product in the tensor core, then it is promoted into the fp32
+- two consumer warpgroups (240 registers each) share one [128, D] output tile, 64 rows each: per K block the four
+  FP8 WGMMAs (m64nDk32) accumulate the block's product in the tensor core, then it is promoted into the fp32
   accumulator with the block's scales, acc = fma(block, sa[row] · sw[tile], acc) (DeepSeek-V3's recipe). The two
-  warpgroups drift half a block apart, so one promotes while the other's WGMMAs run.
+  warpgroups drift apart, so one promotes while the other's WGMMAs run.
 
 One output tile is one head: D = q_head_dim columns of W in their own order, so every RoPE pair of the head lies in
 the tile, and in one thread's registers (the WGMMA accumulator gives each thread columns 8j + 2q + {0, 1} of its rows
 for every j): deepseek and gptj pair adjacent columns (2i, 2i + 1); neox pairs i and i + R/2 (R/2 % 8 == 0). W's
 128x128 scale tiles are not aligned with heads: each 8-column group of the tile takes the scale of the W block it
-lies in (a head spans at most three blocks).
+lies in (a head spans at most three blocks). The promotion is the main loop's ALU work, and what limits it: it is
+compiled once per head phase (the head's first column (n·D) % 128 into its W block: 0 and 64 for D = 192), where
+each group's W block is a constant and the sa·sw products are formed once per W block, so that a K block costs one
+FMA per accumulator element and a few multiplies (a run-time select per group instead made the kernel 30 % slower).
 
 Epilogue, per consumer warpgroup: the rotation a' = a·c - b·s, b' = b·c + a·s on the fp32 accumulator (products
 rounded separately, as the reference computes them), one rounding to bf16, written to the warpgroup's own
@@ -64,7 +67,8 @@ class Fp8BlockRopeGemmSm90:
     """y [T, H·D] bf16 = RoPE(blockwise A · Wᵀ), one [128, D] tile per (128 tokens, head)."""
 
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
-                 swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2):
+                 swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
+                 split: bool = False):
         if K % BLOCK or D % 8 or D > 256 or R % 2 or P + R > D:
             raise ValueError(f"unsupported geometry K={K} D={D} P={P} R={R}")
         if style not in ("deepseek", "neox", "gptj") or (style == "neox" and (R // 2) % 8):
@@ -78,10 +82,16 @@ class Fp8BlockRopeGemmSm90:
         self.swizzle = swizzle
         self.raster_along_m = raster_along_m
         self.bm, self.bn, self.bk = 2 * ROWS_PER_WG, D, BLOCK
-        # the tile's D columns as `parts` WGMMA sub-tiles, one at a time through one block buffer: 96 + 48 fp32
-        # registers for D = 192 instead of 96 + 96 (which spills next to the addresses and scales)
+        # the heads' phases against W's 128-row scale blocks (head n starts (n·D) % 128 rows into one): with a few,
+        # the promotion is compiled once per phase, with each column group's scale known (V3: D = 192, phases 0, 64)
+        phases = sorted({(n * D) % BLOCK for n in range(H)})
+        self.phases = phases if len(phases) <= max_phases else None
+        # one K block's WGMMAs cover the whole head (m64nD, a D/2-register block buffer beside the D/2-register
+        # accumulator: 192 of 240 at D = 192), one wait per block; split: two m64n(D/2) sub-tiles through a buffer half
+        # that size, two waits per block (3 % slower at V3; taken where the select form of the promotion needs the
+        # registers)
         self.k_tiles = K // BLOCK
-        self.parts = 2 if D > 128 and D % 16 == 0 else 1
+        self.parts = 2 if (split or self.phases is None) and D > 128 and D % 16 == 0 else 1
         self.sub = D // self.parts
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
@@ -305,22 +315,50 @@ class Fp8BlockRopeGemmSm90:
     @cute.jit
     def _promote(self, acc: cute.Tensor, blk: cute.Tensor, sc: cute.Tensor, off: cutlass.Int32,
                  part: cutlass.Constexpr):
-        """acc[part] += blk · sa[row] · sw[W block of the column] (one fma per element; sc from `_load_scales`).
-        Sub-tile `part` holds column groups [part·sub/8, (part + 1)·sub/8) of the tile: flat index 4·j + ... in acc,
-        4·(j - first) + ... in blk."""
+        """acc[part] += blk · sa[row] · sw[W block of the column] (one fma per element; sc from `_load_scales`): the
+        code of the head's phase (its first column `off` into its first W block), where every column group's W block
+        is known, if the geometry has few phases; else one select per group."""
+        if cutlass.const_expr(self.phases is not None):
+            for ph in cutlass.range_constexpr(len(self.phases)):
+                if off == self.phases[ph]:
+                    self._promote_at(acc, blk, sc, self.phases[ph], part)
+        else:
+            self._promote_at(acc, blk, sc, off, part)
+
+    @cute.jit
+    def _promote_at(self, acc: cute.Tensor, blk: cute.Tensor, sc: cute.Tensor, off, part: cutlass.Constexpr):
+        """`_promote` for a head `off` columns into W block b0 (a constant: the scale products are formed once per W
+        block; or dynamic: a select per column group). Sub-tile `part` holds column groups
+        [part·sub/8, (part + 1)·sub/8) of the tile: flat index 4·j + ... in acc, 4·(j - first) + ... in blk."""
         first = part * (self.sub // 8)
-        for j in cutlass.range_constexpr(first, first + self.sub // 8):
-            wb = (off + 8 * j) // BLOCK  # W block of columns 8j..8j+7 (the head starts `off` into block b0)
-            w = sc[2]
-            for s in cutlass.range_constexpr(1, self.span):
-                w = cutlass.Float32(sc[2 + s]) if wb == s else w
-            s0 = sc[0] * w
-            s1 = sc[1] * w
-            for c2 in cutlass.range_constexpr(2):
-                i0 = c2 + 4 * j
-                i1 = c2 + 2 + 4 * j
-                acc[i0] = _fma_rn(blk[i0 - 4 * first], s0, acc[i0])
-                acc[i1] = _fma_rn(blk[i1 - 4 * first], s1, acc[i1])
+        groups = range(first, first + self.sub // 8)
+        if cutlass.const_expr(isinstance(off, int)):
+            wbs = sorted({(off + 8 * j) // BLOCK for j in groups})
+            s0 = cute.make_rmem_tensor((self.span,), cutlass.Float32)
+            s1 = cute.make_rmem_tensor((self.span,), cutlass.Float32)
+            for wb in cutlass.range_constexpr(len(wbs)):
+                s0[wbs[wb]] = sc[0] * sc[2 + wbs[wb]]
+                s1[wbs[wb]] = sc[1] * sc[2 + wbs[wb]]
+            for j in cutlass.range_constexpr(first, first + self.sub // 8):
+                wb = (off + 8 * j) // BLOCK
+                for c2 in cutlass.range_constexpr(2):
+                    i0 = c2 + 4 * j
+                    i1 = c2 + 2 + 4 * j
+                    acc[i0] = _fma_rn(blk[i0 - 4 * first], s0[wb], acc[i0])
+                    acc[i1] = _fma_rn(blk[i1 - 4 * first], s1[wb], acc[i1])
+        else:
+            for j in cutlass.range_constexpr(first, first + self.sub // 8):
+                wb = (off + 8 * j) // BLOCK  # W block of columns 8j..8j+7 (the head starts `off` into block b0)
+                w = sc[2]
+                for s in cutlass.range_constexpr(1, self.span):
+                    w = cutlass.Float32(sc[2 + s]) if wb == s else w
+                s0 = sc[0] * w
+                s1 = sc[1] * w
+                for c2 in cutlass.range_constexpr(2):
+                    i0 = c2 + 4 * j
+                    i1 = c2 + 2 + 4 * j
+                    acc[i0] = _fma_rn(blk[i0 - 4 * first], s0, acc[i0])
+                    acc[i1] = _fma_rn(blk[i1 - 4 * first], s1, acc[i1])
 
     # pairs of one thread: R/8 per row (deepseek, gptj: pair 4t + q of the t-th rope column group; neox: pairs
     # 8g + 2q + c2 of the g-th group of the first half, t = 2g + c2); tab holds cos then sin, rows r0 then r1
