@@ -12,6 +12,7 @@ import triton.language as tl
 from .._constants import MX_BLOCK
 from . import _op
 from ._common import cdiv, e8m0_to_fp32, mx_quantize, widen
+from ._fp8_block import nan_sign
 
 Tensor = torch.Tensor
 
@@ -31,8 +32,11 @@ def _mxfp8_quant_kernel(
     m_t, m_n = o_t < T, o_n < N
     m = m_t[:, None] & m_n[None, :]
     # rows/cols outside the tensor load as NaN: the amax ignores them (partial columnwise block)
-    b_x = tl.load(x_ptr + o_t[:, None] * stride_xt + o_n[None, :] * stride_xn, mask=m, other=float("nan"))
-    b_x = widen(b_x, EMULATED)  # [32, BLOCK_N]
+    b_raw = tl.load(x_ptr + o_t[:, None] * stride_xt + o_n[None, :] * stride_xn, mask=m, other=float("nan"))
+    b_x = widen(b_raw, EMULATED)  # [32, BLOCK_N]
+    if b_raw.dtype == tl.float16:  # the GPU's fp16 -> fp32 conversion makes NaN +NaN: its sign from the raw bits
+        b_nan = ((nan_sign(b_raw) << 24) | 0x7FC00000).to(tl.float32, bitcast=True)
+        b_x = tl.where(b_x == b_x, b_x, b_nan)
     if ROWWISE:
         NB: tl.constexpr = BLOCK_N // 32
         b_q, b_byte = mx_quantize(tl.reshape(b_x, (32, NB, 32)), 2, SCALE_MODE, EMULATED, True)  # b_byte [32, NB]

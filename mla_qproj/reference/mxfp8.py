@@ -19,6 +19,16 @@ def _fp32_bits(v: torch.Tensor) -> torch.Tensor:
     return v.contiguous().view(torch.int32)
 
 
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """x as fp32, a NaN keeping its sign: CUDA's fp16 -> fp32 conversion makes every NaN +NaN, so for fp16 the sign
+    bit is taken from x's own bits (SPEC §2: -NaN encodes as 0xFF on every device). No branch on values."""
+    xf = x.float()
+    if x.dtype != torch.float16:
+        return xf
+    neg_nan = torch.isnan(xf) & (x.view(torch.int16) < 0)
+    return torch.where(neg_nan, _fp32_bits(xf) | torch.iinfo(torch.int32).min, _fp32_bits(xf)).view(torch.float32)
+
+
 def nan_ignoring_amax(x: torch.Tensor, dim: int) -> torch.Tensor:
     """max |x| over `dim`, ignoring NaN (fmax semantics); NaN only when every element is NaN. No host sync and no
     branch on values (traceable by torch.compile): NaN becomes -1 in place on the fresh |x| (one pass; inf kept),
@@ -135,7 +145,7 @@ def quantize_rowwise(x: torch.Tensor, scale_mode: str = "rceil") -> tuple[torch.
     """Rowwise MXFP8: 32-blocks along the last dim (a multiple of 32). Returns (fp8 data, uint8 scale)."""
     if x.shape[-1] % MX_BLOCK:
         raise ValueError(f"last dimension must be a multiple of {MX_BLOCK}, got {x.shape[-1]}")
-    xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
+    xb = widen(x).reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
     byte = e8m0_from_amax(nan_ignoring_amax(xb, -1), scale_mode)
     q = encode_e4m3(xb * quant_multiplier(byte, scale_mode).unsqueeze(-1), xb)
     return q.reshape(x.shape), byte
@@ -147,7 +157,7 @@ def quantize_columnwise(x2d: torch.Tensor, scale_mode: str = "rceil") -> tuple[t
     T, N = x2d.shape
     nb = -(-T // MX_BLOCK)
     pad = nb * MX_BLOCK - T
-    xf = x2d.float()
+    xf = widen(x2d)
     # pad with NaN: ignored by the amax, so a partial block's amax is over the rows that exist
     xp = torch.cat([xf, xf.new_full((pad, N), float("nan"))]) if pad else xf
     xb = xp.reshape(nb, MX_BLOCK, N)
