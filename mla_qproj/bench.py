@@ -18,6 +18,11 @@ Rows per T (all in one process, same inputs):
                                 the CuTe DSL engine off, MLA_QPROJ_CUTE=0: the Triton kernels)
   ours_*_cudagraph              the same forward replayed from a CUDA graph (no per-call host work: the GPU time)
   compiled_unfused_bf16_fwdbwd  torch.compile(RMSNorm -> bf16 Linear -> DeepSeek RoPE), forward + backward
+  unfused_fp8_block_fwdbwd      the block-FP8 trainer's step (TransformerEngine Float8BlockScaling's Linear between a
+                                compiled RMSNorm and a compiled RoPE, autograd through them): 1x128 quantizes of xn
+                                (rowwise, and along T for wgrad) and of dy (both ways), three cuBLAS blockwise GEMMs
+                                (fprop 1x128 x 128x128, dgrad 1x128 x 128x128 on W's transposed codes, wgrad 1x128 x
+                                128x1); the weight's codes made once, as ours keeps them in its weight cache
   ours_*_fwdbwd                 ours forward + backward
 Forward rows run under torch.no_grad() (inference); fwd+bwd rows use a random bf16 upstream gradient and get grads
 for x, norm weight and weight. Every row is timed --rounds times round-robin (triton.testing.do_bench medians, L2
@@ -167,6 +172,35 @@ def blockwise_gemm(a, sa, wq, ws) -> torch.Tensor:
     return torch._scaled_mm(a, wq.t(), scale_a=sa.t().contiguous().t(), scale_b=ws.t(), out_dtype=torch.bfloat16)
 
 
+class BlockFp8Linear(torch.autograd.Function):
+    """y = xn · Wᵀ as TransformerEngine's Float8BlockScaling runs it on Hopper: every GEMM operand FP8 with 1x128
+    blocks along the GEMM's K (the weight 128x128), cuBLAS's blockwise GEMMs, bf16 results. The quantize steps are
+    the compiled functions passed in (q = quantize_blocks_pow2(t, 1, 128) compiled)."""
+
+    @staticmethod
+    def forward(ctx, xn, w, wq, ws, wq_t, q):
+        a, sa = q(xn)  # [T, K], 1x128 along K
+        a_t, sa_t = q(xn.t())  # [K, T], 1x128 along T: wgrad's operand (TE's columnwise copy)
+        ctx.save_for_backward(a_t, sa_t, wq_t, ws)
+        ctx.q = q
+        return blockwise_gemm(a, sa, wq, ws)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a_t, sa_t, wq_t, ws = ctx.saved_tensors
+        d, sd = ctx.q(dy)  # [T, N], 1x128 along N
+        dxn = torch._scaled_mm(d, wq_t.t(), scale_a=sd.t().contiguous().t(), scale_b=ws, out_dtype=torch.bfloat16)
+        d_t, sd_t = ctx.q(dy.t())  # [N, T], 1x128 along T
+        dw = torch._scaled_mm(d_t, a_t.t(), scale_a=sd_t.t().contiguous().t(), scale_b=sa_t.t(),
+                              out_dtype=torch.bfloat16)
+        return dxn, dw, None, None, None, None
+
+
+def _rope_bf16(y: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> torch.Tensor:
+    """DeepSeek RoPE of a bf16 query [T, H, D] (fp32 math, bf16 out), differentiable."""
+    return apply_rope(y.float(), cos_h, sin_h, NOPE, ROPE, "deepseek").to(torch.bfloat16)
+
+
 # ------------------------------------------------------------------------------------------------- rows
 
 
@@ -192,6 +226,9 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
     c_bf = torch.compile(unfused_bf16, dynamic=False, mode=compile_mode)
     c_nq = torch.compile(fp8_block_norm_quant, dynamic=False, mode=compile_mode)
     c_rope = torch.compile(rope_in_place, dynamic=False, mode=compile_mode)
+    c_norm = torch.compile(_rmsnorm_fp32, dynamic=False, mode=compile_mode)
+    c_q = torch.compile(lambda t: quantize_blocks_pow2(t.float(), 1, 128), dynamic=False, mode=compile_mode)
+    c_rope_ad = torch.compile(_rope_bf16, dynamic=False, mode=compile_mode)
 
     def layer_of(variant: str):
         layer = layers[variant]
@@ -277,7 +314,21 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
 
         return fn, []
 
+    def unfused_fp8_fwdbwd(c):
+        T = c["x"].shape[0]
+        xr = c["x"].detach().clone().requires_grad_(True)
+        gr = c["g"].detach().clone().requires_grad_(True)
+        wr = c["w"].detach().clone().requires_grad_(True)
+        wq_t = c["wq"].t().contiguous()  # [K, N]: dgrad's operand, W's codes transposed (the 128x128 grid is too)
+
+        def fn():
+            y = BlockFp8Linear.apply(c_norm(xr, gr), wr, c["wq"], c["ws"], wq_t, c_q)
+            c_rope_ad(y.view(T, H, D), c["cos_h"], c["sin_h"]).backward(c["dy"])
+
+        return fn, [xr, gr, wr]
+
     mx_peer, fp8_peer, bwd_peer = "compiled_unfused_mxfp8", "unfused_fp8_block", "compiled_unfused_bf16_fwdbwd"
+    fp8_bwd_peer = "unfused_fp8_block_fwdbwd"
     return [
         Row("cublas_bf16_gemm", "fwd", None, lambda c: ((lambda: c["x"] @ c["w"].t()), [])),
         Row("cublas_fp8_tensorwise_gemm", "fwd", None, tensorwise),
@@ -298,8 +349,9 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         Row(bwd_peer, "fwdbwd", None, compiled_fwdbwd),
         Row("ours_mxfp8_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("mxfp8")),
         Row("ours_bf16_gemm_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("bf16_gemm")),
-        Row("ours_fp8_block_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("fp8_block")),
-        Row("ours_fp8_block_triton_fwdbwd", "fwdbwd", bwd_peer, ours_fwdbwd("fp8_block_triton")),
+        Row(fp8_bwd_peer, "fwdbwd", bwd_peer, unfused_fp8_fwdbwd),
+        Row("ours_fp8_block_fwdbwd", "fwdbwd", fp8_bwd_peer, ours_fwdbwd("fp8_block")),
+        Row("ours_fp8_block_triton_fwdbwd", "fwdbwd", fp8_bwd_peer, ours_fwdbwd("fp8_block_triton")),
     ]
 
 
@@ -458,7 +510,8 @@ def _style(name: str) -> dict:
     """Bar colour and hatch: peers in greys (hatched), ours by precision."""
     if not name.startswith("ours"):
         greys = {"cublas_bf16_gemm": "0.1", "cublas_fp8_tensorwise_gemm": "0.3", "cublas_fp8_blockwise_gemm": "0.45",
-                 "compiled_unfused_mxfp8": "0.6", "unfused_fp8_block": "0.8", "cute_fp8_rope_gemm": "0.9"}
+                 "compiled_unfused_mxfp8": "0.6", "unfused_fp8_block": "0.8", "cute_fp8_rope_gemm": "0.9",
+                 "unfused_fp8_block_fwdbwd": "0.5"}
         return {"color": greys.get(name, "0.75"), "hatch": "//" if name.startswith(("compiled", "unfused")) else ""}
     palette = {"fp8_block": "tab:red", "bf16_gemm": "tab:green", "mxfp8": "tab:blue"}
     color = next(c for key, c in palette.items() if key in name)
