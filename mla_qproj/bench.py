@@ -20,9 +20,9 @@ Rows per T (all in one process, same inputs):
   compiled_unfused_bf16_fwdbwd  torch.compile(RMSNorm -> bf16 Linear -> DeepSeek RoPE), forward + backward
   unfused_fp8_block_fwdbwd      the block-FP8 trainer's step (TransformerEngine Float8BlockScaling's Linear between a
                                 compiled RMSNorm and a compiled RoPE, autograd through them): 1x128 quantizes of xn
-                                (rowwise, and along T for wgrad) and of dy (both ways), three cuBLAS blockwise GEMMs
-                                (fprop 1x128 x 128x128, dgrad 1x128 x 128x128 on W's transposed codes, wgrad 1x128 x
-                                128x1); the weight's codes made once, as ours keeps them in its weight cache
+                                and of dy (both ways), three cuBLAS blockwise GEMMs (fprop and dgrad 1x128 x 128x128
+                                against W's codes and their transpose, wgrad 1x128 x 128x128 against xn's transposed
+                                codes); the weight's codes made once, as ours keeps them in its weight cache
   ours_*_fwdbwd                 ours forward + backward
 Forward rows run under torch.no_grad() (inference); fwd+bwd rows use a random bf16 upstream gradient and get grads
 for x, norm weight and weight. Every row is timed --rounds times round-robin (triton.testing.do_bench medians, L2
@@ -148,8 +148,8 @@ def quantize_blocks_pow2(t: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tenso
     amax = b.abs().amax(dim=(1, 3), keepdim=True)
     scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
     scale = torch.exp2(torch.floor(torch.log2(scale.clamp(max=FLT_MAX))))
-    codes = (b * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(M_, N_)
-    return codes, (1.0 / scale).reshape(M_ // bm, N_ // bn)
+    codes = (b * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(M_, N_).contiguous()
+    return codes, (1.0 / scale).reshape(M_ // bm, N_ // bn).contiguous()  # row-major (t may be a transposed view)
 
 
 def fp8_block_norm_quant(x, g) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,25 +173,27 @@ def blockwise_gemm(a, sa, wq, ws) -> torch.Tensor:
 
 
 class BlockFp8Linear(torch.autograd.Function):
-    """y = xn · Wᵀ as TransformerEngine's Float8BlockScaling runs it on Hopper: every GEMM operand FP8 with 1x128
-    blocks along the GEMM's K (the weight 128x128), cuBLAS's blockwise GEMMs, bf16 results. The quantize steps are
-    the compiled functions passed in (q = quantize_blocks_pow2(t, 1, 128) compiled)."""
+    """y = xn · Wᵀ with every GEMM operand block-FP8, as TransformerEngine's Float8BlockScaling runs it on Hopper:
+    1x128 blocks along each GEMM's K for xn and dy, W in 128x128 blocks, cuBLAS's blockwise GEMMs, bf16 results. The
+    wgrad GEMM takes xn's transposed copy in 128x128 blocks (TE: 1x128 along T), as torch._scaled_mm on sm_90 (torch
+    2.11, CUDA 13) rejects 1x128 x 128x1 operands. q: the compiled 1x128 quantizer."""
 
     @staticmethod
     def forward(ctx, xn, w, wq, ws, wq_t, q):
         a, sa = q(xn)  # [T, K], 1x128 along K
-        a_t, sa_t = q(xn.t())  # [K, T], 1x128 along T: wgrad's operand (TE's columnwise copy)
-        ctx.save_for_backward(a_t, sa_t, wq_t, ws)
+        a_t, ga_t = quantize_blocks_pow2(xn.t().float(), 128, 128)  # [K, T] codes, [K/128, T/128]: wgrad's operand
+        ctx.save_for_backward(a_t, ga_t, wq_t, ws)
         ctx.q = q
         return blockwise_gemm(a, sa, wq, ws)
 
     @staticmethod
     def backward(ctx, dy):
-        a_t, sa_t, wq_t, ws = ctx.saved_tensors
+        a_t, ga_t, wq_t, ws = ctx.saved_tensors
         d, sd = ctx.q(dy)  # [T, N], 1x128 along N
-        dxn = torch._scaled_mm(d, wq_t.t(), scale_a=sd.t().contiguous().t(), scale_b=ws, out_dtype=torch.bfloat16)
+        dxn = torch._scaled_mm(d, wq_t.t(), scale_a=sd.t().contiguous().t(), scale_b=ws.t().contiguous().t(),
+                               out_dtype=torch.bfloat16)
         d_t, sd_t = ctx.q(dy.t())  # [N, T], 1x128 along T
-        dw = torch._scaled_mm(d_t, a_t.t(), scale_a=sd_t.t().contiguous().t(), scale_b=sa_t.t(),
+        dw = torch._scaled_mm(d_t, a_t.t(), scale_a=sd_t.t().contiguous().t(), scale_b=ga_t.t(),
                               out_dtype=torch.bfloat16)
         return dxn, dw, None, None, None, None
 

@@ -32,6 +32,11 @@ REL_ERR_SAME_QUANT = 1e-2
 REL_ERR_BF16_ROUNDING = 2.0**-8
 # the same fp32 values summed in another order (a tensor-parallel reduction): a few fp32 ulps
 REL_ERR_REDUCTION_ORDER = 1e-5
+# a tile whose codes flipped together because one of its rows' inputs sat on a rounding boundary (the two backends'
+# xn of one token, a hair apart, took different E8M0 bytes for one 32-block: that token's whole query requantized,
+# 11 % of a [128, 128] tile's codes differing at 1.4 % relative in value; H200, V3, T = 4096): the tile's decoded
+# values stay this close, where a wrong tile (wrong pairs, scale, rows) is off by its own size
+REL_ERR_TILE_REQUANT = 0.05
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,10 +66,13 @@ def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor, label: str) -> None:
 TILE = 128  # per-tile bounds: tiles of TILE x TILE of a tensor's 2-D view [rows, last dim]
 
 
-def code_match_fraction(a: torch.Tensor, b: torch.Tensor, min_frac: float | None = None, label: str = "") -> float:
+def code_match_fraction(a: torch.Tensor, b: torch.Tensor, min_frac: float | None = None, label: str = "",
+                        dense: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
     """Fraction of identical fp8 codes (or bytes). With min_frac, also no single TILE x TILE tile of the 2-D view
     may hold more differing codes than 4 x its share of the whole-tensor budget (at least 4): a bound that a large
-    tensor's average cannot hide (one wrong [128, 128] tile of a DeepSeek-V3 query is 1/24576 of it)."""
+    tensor's average cannot hide (one wrong [128, 128] tile of a DeepSeek-V3 query is 1/24576 of it). dense: the
+    decoded values (same shape as the codes); a tile over the code budget then passes if its decoded values agree
+    within REL_ERR_TILE_REQUANT (requantized rows, not wrong ones)."""
     ab = a.detach().cpu().contiguous().view(torch.uint8)
     bb = b.detach().cpu().contiguous().view(torch.uint8)
     if not ab.numel():
@@ -73,13 +81,25 @@ def code_match_fraction(a: torch.Tensor, b: torch.Tensor, min_frac: float | None
     if min_frac is not None:
         d2 = diff.reshape(-1, diff.shape[-1]) if diff.dim() else diff.reshape(1, 1)
         r, c = d2.shape
-        padded = torch.nn.functional.pad(d2.to(torch.int32), (0, -c % TILE, 0, -r % TILE))
-        per_tile = padded.reshape(padded.shape[0] // TILE, TILE, padded.shape[1] // TILE, TILE).sum(dim=(1, 3))
+        per_tile = _per_tile_sum(d2.to(torch.int32))
         allowed = max(4, int(4 * (1.0 - min_frac) * TILE * TILE))
-        worst = int(per_tile.max())
-        assert worst <= allowed, (f"{label}: a {TILE}x{TILE} tile has {worst} differing codes (at most {allowed}), "
-                                  f"at tile {divmod(int(per_tile.argmax()), per_tile.shape[1])}")
+        over = per_tile > allowed
+        if dense is not None and over.any():
+            da, db = (t.detach().cpu().double().reshape(r, c) for t in dense)
+            tile_err = _per_tile_sum((da - db).pow(2)).sqrt() / _per_tile_sum(db.pow(2)).sqrt().clamp_min(1e-300)
+            over &= ~(tile_err <= REL_ERR_TILE_REQUANT)
+        worst = int(torch.where(over, per_tile, 0).max()) if over.any() else 0
+        assert not over.any(), (f"{label}: a {TILE}x{TILE} tile has {worst} differing codes (at most {allowed}"
+                                f"{', decoded values off by more than REL_ERR_TILE_REQUANT' if dense else ''}), "
+                                f"at tile {divmod(int(torch.where(over, per_tile, -1).argmax()), per_tile.shape[1])}")
     return 1.0 - diff.float().mean().item()
+
+
+def _per_tile_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sums over the TILE x TILE tiles of a 2-D tensor (zero-padded at the edges)."""
+    r, c = t.shape
+    p = torch.nn.functional.pad(t, (0, -c % TILE, 0, -r % TILE))
+    return p.reshape(p.shape[0] // TILE, TILE, p.shape[1] // TILE, TILE).sum(dim=(1, 3))
 
 
 def rel_err_bound(precision: str, output_format: str = "bf16") -> float:
@@ -94,8 +114,8 @@ def assert_mxfp8_close(data_a, scale_a, dense_a, data_b, scale_b, dense_b, label
                        min_codes: float = MIN_CODE_MATCH) -> None:
     """Same quantization, different fp32 summation order: >= min_codes identical codes (MIN_CODE_MATCH_FP8_TC when
     one side ran on FP8 tensor cores), >= MIN_CODE_MATCH identical scale bytes, and the dense decodes within
-    REL_ERR_SAME_QUANT."""
-    codes = code_match_fraction(data_a, data_b, min_codes, f"{label} codes")
+    REL_ERR_SAME_QUANT; per tile, the code budget (or decoded values within REL_ERR_TILE_REQUANT)."""
+    codes = code_match_fraction(data_a, data_b, min_codes, f"{label} codes", dense=(dense_a, dense_b))
     scales = code_match_fraction(scale_a, scale_b, MIN_CODE_MATCH, f"{label} scale bytes")
     assert codes >= min_codes, f"{label}: only {codes:.5f} of the codes identical"
     assert scales >= MIN_CODE_MATCH, f"{label}: only {scales:.5f} of the scale bytes identical"

@@ -137,7 +137,8 @@ def encode_e4m3(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     A few passes on bytes instead of round_to_e4m3_grid's dozen on fp32, with no branch on whether a NaN is present:
     what makes the CPU reference fast enough at the DeepSeek-V3 weight size."""
     code = y.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    sign = torch.signbit(x).view(torch.uint8).bitwise_left_shift_(7)  # a bool is the byte 0 or 1: 0x00 or 0x80
+    sign = torch.signbit(x).to(torch.uint8).bitwise_left_shift_(7)  # 0x00 or 0x80 (a cast: Inductor cannot lower a
+    # bool tensor viewed as uint8 on torch 2.11)
     return code.bitwise_and_(0x7F).bitwise_or_(sign).view(torch.float8_e4m3fn)  # in place on fresh bytes
 
 
