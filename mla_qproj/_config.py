@@ -5,16 +5,9 @@ from __future__ import annotations
 import ast
 import os
 from dataclasses import dataclass, fields, replace
-from typing import Literal
 
 from ._constants import MX_BLOCK
 
-ScaleMode = Literal["rceil", "floor"]
-RopeStyle = Literal["deepseek", "neox", "gptj"]
-Precision = Literal["mxfp8", "bf16", "fp8_block"]
-BlockScale = Literal["pow2", "fp32"]
-OutputFormat = Literal["mxfp8", "bf16"]
-Backend = Literal["auto", "triton", "torch"]
 
 SCALE_MODES = ("rceil", "floor")
 ROPE_STYLES = ("deepseek", "neox", "gptj")
@@ -63,10 +56,6 @@ class QProjConfig:
     @property
     def out_features(self) -> int:
         return self.num_heads * self.q_head_dim
-
-    @property
-    def rope_start(self) -> int:
-        return self.qk_head_dim
 
     def with_heads(self, num_heads: int) -> QProjConfig:
         """The same layer with `num_heads` heads (a head group of the backward, a tensor-parallel shard)."""

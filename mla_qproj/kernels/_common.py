@@ -287,7 +287,3 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-# the switched amax's earlier name, still imported by kernels/qproj_gemm.py, _fp8_block.py, rmsnorm_fp8_block.py and
-# rope_fp8_block.py (edited on other branches now): to go once those import `amax`

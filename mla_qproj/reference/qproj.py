@@ -1,5 +1,6 @@
-"""The whole layer in plain PyTorch (SPEC §1): forward and backward, every knob. The CPU backend and the
-tests' oracle. Inputs are already flattened: x2d [T, K]; cos_h/sin_h [T, R/2] fp32 pair tables.
+"""The pieces of the layer in plain PyTorch (SPEC §1) that the mxfp8 and bf16 recipes' reference paths and the
+fp8_block reference compose: RMSNorm forward and backward, the weight's GEMM images, the query's quantization, the
+gradient's GEMM operands. Inputs are already flattened: x2d [T, K]; cos_h/sin_h [T, R/2] fp32 pair tables.
 
 GEMM operands are the *exact* dense images of the quantized tensors (E4M3 * 2^k is exact in bf16 and fp32),
 multiplied in fp32, so this is MXFP8 arithmetic up to the fp32 summation order.
@@ -11,7 +12,7 @@ import torch
 
 from .._config import QProjConfig
 from .mxfp8 import dequantize_columnwise, dequantize_rowwise, quantize_columnwise, quantize_rowwise
-from .rope import apply_rope, apply_rope_inverse
+from .rope import apply_rope_inverse
 
 
 def rmsnorm_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
@@ -58,22 +59,6 @@ def quantize_output(y: torch.Tensor, cfg: QProjConfig) -> tuple:
     return rd, rs, cd, cs
 
 
-def qproj_fwd(x2d, norm_weight, w_fwd, cos_h, sin_h, cfg: QProjConfig):
-    """Returns (outputs as in `quantize_output`, rsigma [T], xn_saved) where xn_saved is what wgrad needs:
-    (col data [T, K], col scale [ceil(T/32), K]) for mxfp8, the bf16 xn for bf16 precision."""
-    T = x2d.shape[0]
-    xn, rsigma = rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
-    if cfg.precision == "mxfp8":
-        a = dequantize_rowwise(*quantize_rowwise(xn, cfg.scale_mode))
-        xn_saved = quantize_columnwise(xn, cfg.scale_mode)
-    else:
-        xn_saved = xn.to(torch.bfloat16)
-        a = xn_saved.float()
-    y = (a @ w_fwd.float().t()).reshape(T, cfg.num_heads, cfg.q_head_dim)
-    y = apply_rope(y, cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style)
-    return quantize_output(y, cfg), rsigma, xn_saved
-
-
 def grad_operands(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse RoPE on the query gradient [T, H, D], then the exact images the two GEMMs consume:
     (dgrad operand: rowwise along N, wgrad operand: columnwise along T), both [T, N] fp32."""
@@ -89,13 +74,3 @@ def grad_operands(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple[tor
     row = dequantize_columnwise(dt, st).t()
     col = dequantize_columnwise(*quantize_columnwise(g, cfg.scale_mode))
     return row, col
-
-
-def qproj_bwd(dq, x2d, rsigma, xn_saved, norm_weight, w_bwd, cos_h, sin_h, cfg: QProjConfig):
-    """Returns (dx [T, K] in x's dtype, dnorm_weight, dW fp32 [N, K])."""
-    dy_row, dy_col = grad_operands(dq, cos_h, sin_h, cfg)
-    xn_op = dequantize_columnwise(*xn_saved) if cfg.precision == "mxfp8" else xn_saved.float()
-    dxn = dy_row @ w_bwd.float()
-    dw = dy_col.t() @ xn_op
-    dx, dg = rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, cfg.zero_centered_gamma)
-    return dx, dg, dw

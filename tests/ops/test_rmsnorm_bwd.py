@@ -22,7 +22,8 @@ from conftest import DEVICE
                                              (300, 128, False), (700, 128, True)])
 def test_rmsnorm_bwd(zc, T, K, small_sum):
     """T = 700 with one program per SM's worth (132): 8 rows per program (the last one partial), the next row
-    prefetched; 1500 (the full tier: 16 s per case on 2 cores): 16 per program. K = 96 is a row as two chunks (64 + 32), K = 128 one. small_sum: the partials
+    prefetched; 1500 (the full tier: 16 s per case on 2 cores): 16 per
+    program. K = 96 is a row as two chunks (64 + 32), K = 128 one. small_sum: the partials
     summed [16 partials, 16 columns] at a time (several unrolled steps)."""
     x = torch.randn(T, K, device=DEVICE).to(torch.bfloat16)
     w = torch.randn(K, device=DEVICE)

@@ -263,7 +263,8 @@ class Fp8BlockRopeGemmSm90:
                         warpgroup.fence()  # the K block's WGMMAs into blk, zeroed by the first, as one group
                         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                         for kb in cutlass.range_constexpr(k_blocks):
-                            cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)], tCrB[part][(None, None, kb, state.index)], blk)
+                            cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)],
+                                      tCrB[part][(None, None, kb, state.index)], blk)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
                         warpgroup.wait_group(0)
