@@ -54,3 +54,19 @@ def test_chart_tells_every_row_apart():
         styles = [(_style(n)["color"], _style(n)["hatch"]) for n in names]
         assert len(names) > 3
         assert len(set(styles)) == len(styles), dict(zip(names, styles, strict=True))
+
+
+def test_host_cpu_profile_tool_runs(tmp_path):
+    """tools/host_cpu_profile.py runs on the CPU (kernels stubbed) and prints the layer's host time beside the eager
+    composition's, as a ratio per precision (no timing claim here: it is a measuring tool)."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "host_cpu_profile.py")], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for precision in ("mxfp8", "fp8_block"):
+        m = re.search(rf"composition's, {precision}: ([0-9.]+)", out.stdout)
+        assert m and float(m.group(1)) > 0, out.stdout
+    assert "eager unfused composition" in out.stdout

@@ -3,6 +3,10 @@ no-op launches, so what remains is the module's, the autograd-free path's and th
 checks, allocations, tensor descriptors, the query object). Triton's launch itself is not included; on the GPU
 `tools/profile_layer.py` measures the whole thing (host time per call included).
 
+Beside it, in the same run, the eager unfused composition a user would otherwise call (RMSNorm, Linear, DeepSeek
+RoPE in plain torch ops, as HF transformers writes them) on tensors small enough that its time is its host time: the
+ratio is the layer's host cost against the composition's.
+
     python tools/host_cpu_profile.py [--profile]
 """
 from __future__ import annotations
@@ -62,6 +66,19 @@ def _layer(precision: str) -> FusedMLAQUpProjection:
     return layer
 
 
+def composition(x, g, w, cos, sin, H: int, P: int, R: int):
+    """RMSNorm (fp32) -> Linear -> DeepSeek RoPE on the rope columns, eager torch ops (HF DeepseekV3's order: the
+    interleaved pairs de-interleaved, then rotate_half)."""
+    xf = x.float()
+    xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * g.float()).to(x.dtype)
+    q = torch.nn.functional.linear(xn, w).view(x.shape[0], H, -1)
+    q_nope, q_pe = q[..., :P], q[..., P:P + R]
+    q_pe = q_pe.reshape(*q_pe.shape[:-1], R // 2, 2).transpose(-1, -2).reshape(q_pe.shape)
+    c, s = cos[:, None, :].to(q.dtype), sin[:, None, :].to(q.dtype)
+    rot = torch.cat((-q_pe[..., R // 2:], q_pe[..., : R // 2]), dim=-1)
+    return torch.cat((q_nope, q_pe * c + rot * s), dim=-1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of the layers' forward")
@@ -86,6 +103,16 @@ def main() -> None:
         print(f"qproj_gemm_fwd launcher: {per_call_us(lambda: qg.qproj_gemm_fwd(a, wp, c, s, cfg)):.1f} us/call")
         print(f"rmsnorm_quant_fwd launcher: "
               f"{per_call_us(lambda: rq.rmsnorm_quant_fwd(x, g, 1e-6, False, 'mxfp8', 'rceil', False)):.1f} us/call")
+        # the composition's host time: 16 tokens, K = 128, 2 heads of 32 + 32 (its arithmetic is negligible there)
+        t, k, h, p, r = 16, 128, 2, 32, 32
+        xs, gs = torch.randn(t, k).to(torch.bfloat16), torch.ones(k, dtype=torch.bfloat16)
+        ws = torch.randn(h * (p + r), k).to(torch.bfloat16)
+        cs, ss = torch.randn(t, r), torch.randn(t, r)
+        comp = per_call_us(lambda: composition(xs, gs, ws, cs, ss, h, p, r))
+        print(f"eager unfused composition (RMSNorm + Linear + RoPE, torch ops, 16 tokens): {comp:.1f} us/call")
+        for p_, layer in layers.items():
+            ours = per_call_us(lambda layer=layer: layer(x, cos, sin), n=500)
+            print(f"  layer forward host time / composition's, {p_}: {ours / comp:.2f}")
         if args.profile:
             for p, layer in layers.items():
                 print(f"--- {p}")
