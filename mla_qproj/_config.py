@@ -6,14 +6,13 @@ import ast
 import os
 from dataclasses import dataclass, fields, replace
 
-from ._constants import MX_BLOCK
+from ._constants import BLOCK_SHAPES, FP8_BLOCK, MX_BLOCK
 
 
 SCALE_MODES = ("rceil", "floor")
 ROPE_STYLES = ("deepseek", "neox", "gptj")
 PRECISIONS = ("mxfp8", "bf16", "fp8_block")
 BLOCK_SCALES = ("pow2", "fp32")
-FP8_BLOCK = 128  # SPEC §5: elements per block of the block-scaled FP8 recipe
 OUTPUT_FORMATS = ("mxfp8", "bf16")
 BACKENDS = ("auto", "triton", "torch")
 
@@ -27,6 +26,21 @@ def validate_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def check_block_shape(block_shape) -> tuple[int, int]:
+    """block_shape as a tuple (bm, bn), one of BLOCK_SHAPES; ValueError otherwise."""
+    try:
+        bs = tuple(int(v) for v in block_shape)
+    except (TypeError, ValueError):
+        bs = None
+    if bs not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape must be one of {BLOCK_SHAPES}, got {block_shape!r}")
+    return bs
+
+
+def check_block_scale(block_scale) -> str:
+    return validate_choice("block_scale", block_scale, BLOCK_SCALES)
 
 
 def _positive_int(name: str, value: object) -> int:

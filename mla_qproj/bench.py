@@ -50,16 +50,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ._constants import DEEPSEEK_V3, E4M3_MAX, FLT_MAX
 from .reference.mxfp8 import quantize_rowwise
 from .reference.rope import apply_rope, build_rope_tables, rope_inv_freq
 from .tensor import MXFP8Tensor
 
-K, H, NOPE, ROPE = 1536, 128, 128, 64
+K, H, NOPE, ROPE = DEEPSEEK_V3
 D = NOPE + ROPE
 N = H * D
 EPS = 1e-6
-FP8_MAX = 448.0
-FLT_MAX = 3.4028234663852886e38
 
 
 @dataclass
@@ -146,9 +145,9 @@ def quantize_blocks_pow2(t: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tenso
     M_, N_ = t.shape
     b = t.reshape(M_ // bm, bm, N_ // bn, bn)
     amax = b.abs().amax(dim=(1, 3), keepdim=True)
-    scale = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))
+    scale = torch.where(amax > 0, E4M3_MAX / amax, torch.ones_like(amax))
     scale = torch.exp2(torch.floor(torch.log2(scale.clamp(max=FLT_MAX))))
-    codes = (b * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(M_, N_).contiguous()
+    codes = (b * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(M_, N_).contiguous()
     return codes, (1.0 / scale).reshape(M_ // bm, N_ // bn).contiguous()  # row-major (t may be a transposed view)
 
 

@@ -16,7 +16,9 @@ import sys
 
 import torch
 
-K, H, P, R = 1536, 128, 128, 64
+from ._constants import DEEPSEEK_V3
+
+K, H, P, R = DEEPSEEK_V3
 D = P + R
 N = H * D
 

@@ -11,12 +11,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import backend as _backend
 from ._config import BACKENDS, QProjConfig, validate_choice
+from ._constants import FLOAT_DTYPES
 from .distributed import Parallel
 from .function import _FusedMLAQUpProjFunction, forward_query, query_shape
 from .recipes import get_recipe
 from .reference.rope import half_table, normalize_rope_scaling, rope_inv_freq
 
-_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACT_DTYPES = FLOAT_DTYPES
 
 # Fused optimizers (torch.optim.AdamW(fused=True), SGD(fused=True)) update parameters in place without bumping
 # `_version`, so the weight cache also listens to every optimizer step: layers whose weight the optimizer owns

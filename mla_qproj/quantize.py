@@ -9,12 +9,12 @@ import torch
 
 from . import backend as _backend
 from ._config import BACKENDS, SCALE_MODES, validate_choice
-from ._constants import MX_BLOCK
+from ._constants import FLOAT_DTYPES, MX_BLOCK
 from .reference import fp8_block as ref8
 from .reference import mxfp8 as ref
 from .tensor import MXFP8Tensor
 
-_IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_IN_DTYPES = FLOAT_DTYPES
 
 
 class _QuantizeSTE(torch.autograd.Function):

@@ -109,6 +109,7 @@ def _cases(T: int):
     the GEMM also with the other RoPE styles (neox bf16 out; gptj MXFP8 out, whose MX blocks pair two halves),
     then the fp8_block recipe's kernels."""
     from mla_qproj._config import QProjConfig
+    from mla_qproj._constants import DEEPSEEK_V3
     from mla_qproj.kernels import (
         fp8_block_quant,
         qproj_gemm,
@@ -120,7 +121,7 @@ def _cases(T: int):
     from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16, mxfp8_quant_2d
     from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd
 
-    K, H, P, R = 1536, 128, 128, 64
+    K, H, P, R = DEEPSEEK_V3
     D, N = P + R, H * (P + R)
     bf = torch.bfloat16
     e = torch.empty

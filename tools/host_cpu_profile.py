@@ -24,12 +24,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from mla_qproj import FusedMLAQUpProjection  # noqa: E402
+from mla_qproj._constants import DEEPSEEK_V3  # noqa: E402
 from mla_qproj.kernels import qproj_gemm as qg  # noqa: E402
 from mla_qproj.kernels import rmsnorm_fp8_block as r8  # noqa: E402
 from mla_qproj.kernels import rmsnorm_quant as rq  # noqa: E402
 from mla_qproj.recipes.base import PreparedWeight  # noqa: E402
 
-T, K, H, P, R = 4096, 1536, 128, 128, 64
+T = 4096
+K, H, P, R = DEEPSEEK_V3
 N = H * (P + R)
 
 

@@ -12,8 +12,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mla_qproj import FusedMLAQUpProjection
+from mla_qproj._constants import DEEPSEEK_V3
 
-K, H, NOPE, ROPE = 1536, 128, 128, 64
+K, H, NOPE, ROPE = DEEPSEEK_V3
 
 
 def make(T, **kw):

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._constants import FLOAT_DTYPES
+
 _INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # becomes fp32(1/448) against an fp32 operand (SPEC §2)
 _TWO_POW_23 = tl.constexpr(8388608.0)
 
@@ -262,7 +264,7 @@ def mx_image(b_x, AXIS: tl.constexpr, SCALE_MODE: tl.constexpr, EMULATED: tl.con
 
 # ------------------------------------------------------------------------------------------------ host checks
 
-PAIR_TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PAIR_TABLE_DTYPES = FLOAT_DTYPES
 
 
 def check_pair_tables(cos_h: torch.Tensor, sin_h: torch.Tensor) -> None:

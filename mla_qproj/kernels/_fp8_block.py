@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.fp8_block import BLOCK_SCALES, FLT_MAX, check_block_scale
+from .._config import BLOCK_SCALES, check_block_scale
+from .._constants import FLOAT_DTYPES, FLT_MAX
 from ._common import amax, round_to_e4m3_grid, widen
 
 __all__ = ["fp8_block_scale", "quantize_with_scale", "nan_sign", "nan_max", "block_amax",
@@ -26,7 +27,6 @@ _FLT_MAX = tl.constexpr(FLT_MAX)
 # FLT_MAX without dividing into an overflow (numpy, behind the interpreter, warns on it).
 _OVERFLOW_AMAX = tl.constexpr(7.0 * 2.0**-122)
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 T_PAD = 16  # transposed 128x1 codes [N, T_pad]: T_pad = round_up(T, T_PAD) (cuBLAS: 16-byte aligned rows)
 
 

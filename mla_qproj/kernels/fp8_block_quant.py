@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.fp8_block import FP8_BLOCK, check_block_shape
+from .._config import check_block_shape
+from .._constants import FP8_BLOCK
 from . import _op
 from ._common import amax, cdiv
 from ._fp8_block import (

@@ -54,6 +54,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._config import QProjConfig, interpreter_enabled
+from .._constants import FP8_BLOCK
+from .._constants import MX_BLOCK as _MX
 from . import _op
 from ._common import amax, cdiv, check_pair_tables, e8m0_from_amax, mx_quantize, quantize_e4m3, to_bf16, widen
 
@@ -63,8 +65,6 @@ BLOCK_N = 256  # rows of W' per tile with the bf16 operands' half width HALF_N (
 TMA_STORE_MIN_T = 8192
 HALF_N = BLOCK_N // 2
 HALF_WIDTHS = (64, 128)  # half widths the kernel is built for (the [BLOCK_M, 2·HB] tile is 128 or 256 wide)
-_MX = 32
-FP8_BLOCK = 128  # SPEC §5: 1x128 blocks of A along K, 128x128 tiles of W
 OPERANDS = ("bf16", "fp8_block")
 
 __all__ = ["GemmConfig", "default_config", "fused_gemm_supported", "fused_half_width", "fused_layout",

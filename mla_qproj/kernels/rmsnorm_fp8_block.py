@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .._config import QProjConfig, interpreter_enabled
-from ..reference.fp8_block import FP8_BLOCK
+from .._constants import FP8_BLOCK
 from . import _fp8_block, _op
 from ._common import amax, cdiv
 from ._fp8_block import fp8_block_scale, pack_e4m3_words, quantize_with_scale, runs_of, widen, widen_lean

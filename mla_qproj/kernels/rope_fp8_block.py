@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._config import ROPE_STYLES, QProjConfig, validate_choice
-from ..reference.fp8_block import FP8_BLOCK
+from .._constants import FP8_BLOCK
 from . import _fp8_block, _op
 from ._common import amax, cdiv, check_pair_tables, rope_sources
 from ._fp8_block import fp8_block_scale, nan_max, quantize_with_scale, widen

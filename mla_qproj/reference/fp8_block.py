@@ -19,38 +19,17 @@ from __future__ import annotations
 
 import torch
 
-from .._config import QProjConfig
-from .._constants import E4M3_MAX
+from .._config import BLOCK_SCALES, QProjConfig, check_block_scale, check_block_shape  # noqa: F401 (re-exported)
+from .._constants import BLOCK_SHAPES, E4M3_MAX, FLT_MAX, FP8_BLOCK  # noqa: F401 (re-exported)
 from .mxfp8 import _fp32_bits, encode_e4m3, nan_ignoring_amax
 from .qproj import quantize_output, rmsnorm_bwd, rmsnorm_fwd
 from .rope import apply_rope, apply_rope_inverse
 
-FP8_BLOCK = 128  # elements per block along a blocked dimension
-BLOCK_SHAPES = ((1, FP8_BLOCK), (FP8_BLOCK, 1), (FP8_BLOCK, FP8_BLOCK))
-BLOCK_SCALES = ("pow2", "fp32")
-FLT_MAX = torch.finfo(torch.float32).max  # 3.4028235e38
 _EXP_MASK = 0x7F800000  # fp32 exponent field
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def check_block_shape(block_shape) -> tuple[int, int]:
-    """block_shape as a tuple (bm, bn), one of BLOCK_SHAPES; ValueError otherwise."""
-    try:
-        bs = tuple(int(v) for v in block_shape)
-    except (TypeError, ValueError):
-        bs = None
-    if bs not in BLOCK_SHAPES:
-        raise ValueError(f"block_shape must be one of {BLOCK_SHAPES}, got {block_shape!r}")
-    return bs
-
-
-def check_block_scale(block_scale) -> str:
-    if not isinstance(block_scale, str) or block_scale not in BLOCK_SCALES:
-        raise ValueError(f"block_scale must be one of {BLOCK_SCALES}, got {block_scale!r}")
-    return block_scale
 
 
 def fp8_block_scale(amax: torch.Tensor, block_scale: str) -> tuple[torch.Tensor, torch.Tensor]:

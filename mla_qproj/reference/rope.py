@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .._constants import FLOAT_DTYPES
+
 
 def split_pairs(r: torch.Tensor, style: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(a, b) members of every pair of the rope columns r [..., R] as laid out *before* the rotation."""
@@ -48,7 +50,7 @@ def join_pairs_unrotated(a: torch.Tensor, b: torch.Tensor, style: str) -> torch.
     return torch.stack([a, b], dim=-1).flatten(-2)
 
 
-TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # read as is (exact upcast in the arithmetic)
+TABLE_DTYPES = FLOAT_DTYPES  # read as is (exact upcast in the arithmetic)
 
 
 def half_table(t: torch.Tensor, rope_dim: int) -> torch.Tensor:

@@ -40,7 +40,9 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 
-BLOCK = 128  # SPEC §5: K blocks of A (1x128) and W (128x128)
+from ..._constants import FP8_BLOCK
+
+BLOCK = FP8_BLOCK  # SPEC §5: K blocks of A (1x128) and W (128x128)
 ROWS_PER_WG = 64  # rows of the output tile per consumer warpgroup (one m64 WGMMA)
 SMEM_BYTES = 227 * 1024  # sm_90 shared memory per block (opt-in maximum)
 
