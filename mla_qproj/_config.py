@@ -66,6 +66,7 @@ class QProjConfig:
     columnwise_output: bool = False
     scale_mode: str = "rceil"
     block_scale: str = "pow2"  # precision "fp8_block" only (SPEC §5)
+    norm: bool = True  # False: no RMSNorm, the input is quantized as it is (SPEC §7)
 
     @property
     def out_features(self) -> int:
@@ -104,6 +105,7 @@ class QProjConfig:
         columnwise_output: bool = False,
         scale_mode: str = "rceil",
         block_scale: str = "pow2",
+        norm: bool = True,
     ) -> QProjConfig:
         _positive_int("q_lora_rank", q_lora_rank)
         _positive_int("num_heads", num_heads)
@@ -138,6 +140,8 @@ class QProjConfig:
             )
         if columnwise_output and output_format != "mxfp8":
             raise ValueError("columnwise_output=True needs output_format='mxfp8'")
+        if not norm and zero_centered_gamma:
+            raise ValueError("zero_centered_gamma is an RMSNorm option: a layer without a norm (norm=None) has none")
         return QProjConfig(
             q_lora_rank=q_lora_rank,
             num_heads=num_heads,
@@ -152,6 +156,7 @@ class QProjConfig:
             columnwise_output=bool(columnwise_output),
             scale_mode=scale_mode,
             block_scale=block_scale,
+            norm=bool(norm),
         )
 
 

@@ -143,6 +143,8 @@ def backward(dq2d, x2d, rsigma, saved, norm_weight, pw: PreparedWeight, cos_h, s
         del g_col
     if par is not None:  # dxn holds this rank's heads' share: sum it over the group (fp32)
         dxn = reduce_scatter_rows(dxn, par) if sp else all_reduce_sum(dxn, par)
+    if not cfg.norm:  # no RMSNorm: dx is dxn (SPEC §7)
+        return dxn.to(x2d.dtype), None, dw
     # with sequence parallelism dnorm_weight covers this rank's tokens: summed over the group in fp32 (a parameter
     # marked `sequence_parallel`, Megatron's convention, is left to the trainer, which reduces such gradients)
     reduce_dg = sp and not getattr(norm_weight, "sequence_parallel", False)

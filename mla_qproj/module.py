@@ -61,6 +61,8 @@ class FusedMLAQUpProjection(nn.Module):
         qk_pos_emb_head_dim: R, per-head RoPE columns (even, > 0), starting at column qk_head_dim.
         q_head_dim: D, per-head width (default qk_head_dim + R); trailing columns past nope + R pass through.
         eps, zero_centered_gamma: RMSNorm (g = 1 + norm_weight when zero-centered).
+        norm: "rmsnorm" (default) or None: no norm, the input (already normalized: a model's `q_proj`, whose width
+            K is then the hidden size) quantized as it is; no `norm_weight` parameter (SPEC §7).
         rope_style: "deepseek" (interleaved pairs, de-interleaved output), "neox" or "gptj" (SPEC §3).
         precision: GEMM inputs: "mxfp8" (MXFP8, on bf16 tensor cores on Hopper), "bf16", or "fp8_block"
             (DeepSeek-V3 / TransformerEngine Float8BlockScaling: 1x128 and 128x128 blocks, FP8 tensor cores; needs
@@ -97,13 +99,17 @@ class FusedMLAQUpProjection(nn.Module):
                  columnwise_output: bool = False, scale_mode: str = "rceil", block_scale: str = "pow2",
                  rope_theta: float = 10000.0, rope_scaling: dict | None = None, backend: str = "auto",
                  tp_group=None, sequence_parallel: bool = False, tp_comm_overlap: bool = False, device=None,
-                 dtype=None) -> None:
+                 dtype=None, norm: str | None = "rmsnorm") -> None:
         super().__init__()
+        if norm not in ("rmsnorm", None):
+            raise ValueError(f"norm must be 'rmsnorm' or None (no norm: the input is quantized as it is), got {norm!r}")
+        if norm is None and eps != 1e-6:
+            raise ValueError(f"eps is an RMSNorm option: a layer with norm=None has no norm (got eps={eps!r})")
         self.par = Parallel.make(tp_group, sequence_parallel, tp_comm_overlap)
         self.tp_size = 1 if self.par is None else self.par.world
         global_cfg = QProjConfig.make(q_lora_rank, num_heads, qk_head_dim, qk_pos_emb_head_dim, q_head_dim, eps,
                                       zero_centered_gamma, rope_style, precision, output_format, columnwise_output,
-                                      scale_mode, block_scale)
+                                      scale_mode, block_scale, norm is not None)
         if num_heads % self.tp_size:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by the tp_group size ({self.tp_size})")
         self.num_heads = num_heads  # global; self.cfg describes this rank's heads (what its kernels compute)
@@ -120,7 +126,10 @@ class FusedMLAQUpProjection(nn.Module):
         if param_dtype not in _ACT_DTYPES:
             raise TypeError(f"dtype must be one of {_ACT_DTYPES} (the parameters' dtype), got {param_dtype}")
         self.weight = nn.Parameter(torch.empty(self.cfg.out_features, q_lora_rank, **factory_kwargs))
-        self.norm_weight = nn.Parameter(torch.empty(q_lora_rank, **factory_kwargs))
+        if norm is None:  # no parameter: a model's q_proj has only its weight (SPEC §7)
+            self.register_parameter("norm_weight", None)
+        else:
+            self.norm_weight = nn.Parameter(torch.empty(q_lora_rank, **factory_kwargs))
         # the fused forward GEMM's row order of W (fixed by the geometry; None when the general path runs)
         src = _backend.fused_row_source(self.cfg)
         self.register_buffer("_fused_src", None if src is None else src.to(device), persistent=False)
@@ -142,7 +151,7 @@ class FusedMLAQUpProjection(nn.Module):
             inv_freq, _ = rope_inv_freq(self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
             self.inv_freq = inv_freq.to(self.inv_freq.device)
         # a cast to a dtype the layer does not run (`.double()`) is refused here, not at the next forward
-        for name, p in (("weight", self.weight), ("norm_weight", self.norm_weight)):
+        for name, p in self._own_params():
             if p.dtype not in _ACT_DTYPES:
                 raise TypeError(f"FusedMLAQUpProjection parameters must be one of {_ACT_DTYPES}; the cast made "
                                 f"{name} {p.dtype}")
@@ -150,7 +159,9 @@ class FusedMLAQUpProjection(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
-        if self.cfg.zero_centered_gamma:
+        if self.norm_weight is None:
+            pass
+        elif self.cfg.zero_centered_gamma:
             nn.init.zeros_(self.norm_weight)
         else:
             nn.init.ones_(self.norm_weight)
@@ -159,28 +170,33 @@ class FusedMLAQUpProjection(nn.Module):
     # ------------------------------------------------------------------------------------ construction
 
     @classmethod
-    def from_modules(cls, norm: nn.Module, linear: nn.Module, *, num_heads: int, qk_head_dim: int,
+    def from_modules(cls, norm: nn.Module | None, linear: nn.Module, *, num_heads: int, qk_head_dim: int,
                      qk_pos_emb_head_dim: int, **kwargs) -> FusedMLAQUpProjection:
         """Wrap an existing RMSNorm and bias-free Linear, sharing (not copying) their weights. Another norm (a
-        LayerNorm, a norm with a bias) raises ValueError.
+        LayerNorm, a norm with a bias) raises ValueError. norm=None wraps a Linear alone (a model's `q_proj`,
+        whose input is already normalized): the layer without a norm (SPEC §7).
 
         eps comes from the norm's `eps` or `variance_epsilon` (unless given); q_head_dim defaults to
         linear.out_features // num_heads. With `tp_group` the linear is this rank's column-parallel shard
         (Megatron's ColumnParallelLinear: out_features = num_heads / tp * q_head_dim) and num_heads is the global
         count. Raises ValueError when the shapes do not fit.
         """
-        _check_rmsnorm(norm)
-        nw = getattr(norm, "weight", None)
         lw = getattr(linear, "weight", None)
-        if not isinstance(nw, nn.Parameter) or nw.dim() != 1:
-            raise ValueError("norm must have a 1-D `weight` parameter (an RMSNorm with elementwise affine)")
         if not isinstance(lw, nn.Parameter) or lw.dim() != 2:
             raise ValueError("linear must have a 2-D `weight` parameter [out_features, in_features]")
         if getattr(linear, "bias", None) is not None:
             raise ValueError("linear must have no bias (the MLA query up-projection has none)")
-        if lw.shape[1] != nw.shape[0]:
-            raise ValueError(f"linear in_features ({lw.shape[1]}) must equal norm size ({nw.shape[0]})")
-        if "eps" not in kwargs:
+        nw = None
+        if norm is None:
+            kwargs["norm"] = None
+        else:
+            _check_rmsnorm(norm)
+            nw = getattr(norm, "weight", None)
+            if not isinstance(nw, nn.Parameter) or nw.dim() != 1:
+                raise ValueError("norm must have a 1-D `weight` parameter (an RMSNorm with elementwise affine)")
+            if lw.shape[1] != nw.shape[0]:
+                raise ValueError(f"linear in_features ({lw.shape[1]}) must equal norm size ({nw.shape[0]})")
+        if nw is not None and "eps" not in kwargs:
             eps = getattr(norm, "eps", None)
             if eps is None:
                 eps = getattr(norm, "variance_epsilon", None)
@@ -201,7 +217,8 @@ class FusedMLAQUpProjection(nn.Module):
         layer = cls(lw.shape[1], num_heads, qk_head_dim, qk_pos_emb_head_dim, device="meta", dtype=lw.dtype,
                     **kwargs)
         layer.weight = lw  # shared: the user's optimizer and state dict keep working
-        layer.norm_weight = nw
+        if nw is not None:
+            layer.norm_weight = nw
         layer.inv_freq = rope_inv_freq(layer.cfg.rope_dim, layer.rope_theta, layer.rope_scaling)[0].to(lw.device)
         if layer._fused_src is not None:
             layer._fused_src = _backend.fused_row_source(layer.cfg).to(lw.device)
@@ -209,8 +226,9 @@ class FusedMLAQUpProjection(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.cfg
-        s = (f"q_lora_rank={c.q_lora_rank}, num_heads={self.num_heads}, qk_head_dim={c.qk_head_dim}, "
-             f"qk_pos_emb_head_dim={c.rope_dim}, q_head_dim={c.q_head_dim}, eps={c.eps}, rope_style={c.rope_style}, "
+        s = (f"{'q_lora_rank' if c.norm else 'in_features'}={c.q_lora_rank}, num_heads={self.num_heads}, "
+             f"qk_head_dim={c.qk_head_dim}, qk_pos_emb_head_dim={c.rope_dim}, q_head_dim={c.q_head_dim}, "
+             f"{f'eps={c.eps}, ' if c.norm else ''}rope_style={c.rope_style}, "
              f"precision={c.precision}, output_format={c.output_format}, scale_mode={c.scale_mode}")
         if c.precision == "fp8_block":
             s += f", block_scale={c.block_scale}"
@@ -222,6 +240,8 @@ class FusedMLAQUpProjection(nn.Module):
             s += ", columnwise_output=True"
         if c.zero_centered_gamma:
             s += ", zero_centered_gamma=True"
+        if not c.norm:
+            s += ", norm=None"
         if self.rope_scaling is not None:
             s += f", rope_scaling={self.rope_scaling.get('rope_type', self.rope_scaling.get('type'))}"
         return s + f", backend={self.backend}"
@@ -313,12 +333,18 @@ class FusedMLAQUpProjection(nn.Module):
         if x.dtype not in _ACT_DTYPES:
             raise TypeError(f"x dtype must be one of {_ACT_DTYPES}, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.cfg.q_lora_rank:
-            raise ValueError(f"x last dim must be q_lora_rank ({self.cfg.q_lora_rank}), got shape {tuple(x.shape)}")
-        for name, p in (("weight", self.weight), ("norm_weight", self.norm_weight)):
+            raise ValueError(f"x last dim must be {'q_lora_rank' if self.cfg.norm else 'the input width'} "
+                             f"({self.cfg.q_lora_rank}), got shape {tuple(x.shape)}")
+        for name, p in self._own_params():
             if p.device != x.device:
                 raise ValueError(f"x is on {x.device} but {name} is on {p.device}")
             if p.dtype not in _ACT_DTYPES:
                 raise TypeError(f"{name} dtype must be one of {_ACT_DTYPES}, got {p.dtype}")
+
+    def _own_params(self) -> tuple[tuple[str, torch.Tensor], ...]:
+        if self.norm_weight is None:
+            return (("weight", self.weight),)
+        return (("weight", self.weight), ("norm_weight", self.norm_weight))
 
     def _check_sequence_parallel(self, x: torch.Tensor, needs_grad: bool) -> None:
         if x.dim() < 2:
@@ -336,8 +362,8 @@ class FusedMLAQUpProjection(nn.Module):
         sequence_parallel, x is this rank's slice of the first dimension and q covers every rank's tokens."""
         self._check_x(x)
         par = self.par
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.norm_weight.requires_grad
-                                                  or self.weight.requires_grad)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad or (
+            self.norm_weight is not None and self.norm_weight.requires_grad))
         if par is not None and par.sequence_parallel:
             self._check_sequence_parallel(x, needs_grad)
         lead = torch.Size(query_shape(x, self.cfg, par)[:-2])

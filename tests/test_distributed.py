@@ -38,6 +38,10 @@ CASES += [("mxfp8", "mxfp8", True, True, "auto", False, "deepseek"),
           ("mxfp8", "mxfp8", True, True, "auto", True, "gptj"),
           ("fp8_block", "mxfp8", True, True, "auto", True, "gptj"),
           ("bf16", "bf16", False, True, "auto", True, "gptj")]
+# the layer without a norm (SPEC §7): sequence parallel, the reference and the Triton kernels
+CASES += [("fp8_block", "bf16", False, True, "auto", False, "deepseek", "cpu", None),
+          ("mxfp8", "mxfp8", True, True, "torch", False, "deepseek", "cpu", None),
+          ("bf16", "bf16", False, False, "torch", False, "neox", "cpu", None)]
 
 
 def _free_port() -> int:
@@ -54,16 +58,17 @@ def _q_fields(q):
 
 
 def _check_case(rank: int, world: int, precision: str, output_format: str, columnwise: bool, sp: bool,
-                backend: str, overlap: bool, style: str, dev: str = "cpu") -> None:
+                backend: str, overlap: bool, style: str, dev: str = "cpu", norm: str | None = "rmsnorm") -> None:
     tag = (f"[world={world} rank={rank} {precision}/{output_format} col={columnwise} sp={sp} overlap={overlap} "
-           f"{style} {backend} {dev}]")
+           f"{style} {backend} {dev} norm={norm}]")
     dev = torch.device(dev)
     kw = dict(precision=precision, output_format=output_format, columnwise_output=columnwise, backend=backend,
-              rope_style=style, device=dev)
+              rope_style=style, device=dev, norm=norm)
     torch.manual_seed(1234)  # the same parameters and inputs on every rank
     full = FusedMLAQUpProjection(K, H, NOPE, R, **kw)
     with torch.no_grad():
-        full.norm_weight.copy_(1 + 0.2 * torch.randn(K))
+        if norm is not None:
+            full.norm_weight.copy_(1 + 0.2 * torch.randn(K))
     s, b = 64 * world, 2  # [s, b] tokens; a rank's slice along s holds 128 tokens (a whole fp8_block column block)
     x = torch.randn(s, b, K).to(dev)
     dy = torch.randn(s, b, H, D).to(dev)
@@ -74,7 +79,8 @@ def _check_case(rank: int, world: int, precision: str, output_format: str, colum
     rows = slice(rank * hl * D, (rank + 1) * hl * D)
     with torch.no_grad():
         tp.weight.copy_(full.weight[rows])
-        tp.norm_weight.copy_(full.norm_weight)
+        if norm is not None:
+            tp.norm_weight.copy_(full.norm_weight)
 
     x_full = x.clone().requires_grad_(True)
     q_full = full(x_full, position_ids=pos)
@@ -97,7 +103,10 @@ def _check_case(rank: int, world: int, precision: str, output_format: str, colum
     (q_tp.dequantize() if isinstance(q_tp, MXFP8Tensor) else q_tp).float().backward(dy[:, :, heads])
     assert_bytes_equal(tp.weight.grad, full.weight.grad[rows], f"{tag} dW local rows")
     assert_rel_err(x_tp.grad, x_full.grad[sl] if sp else x_full.grad, REL_ERR_REDUCTION_ORDER, f"{tag} dx")
-    assert_rel_err(tp.norm_weight.grad, full.norm_weight.grad, REL_ERR_REDUCTION_ORDER, f"{tag} dnorm_weight")
+    if norm is not None:
+        assert_rel_err(tp.norm_weight.grad, full.norm_weight.grad, REL_ERR_REDUCTION_ORDER, f"{tag} dnorm_weight")
+    else:
+        assert tp.norm_weight is None and full.norm_weight is None
 
 
 def _check_norm_weight_sequence_parallel_attribute(rank: int, world: int) -> None:

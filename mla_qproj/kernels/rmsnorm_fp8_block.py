@@ -183,11 +183,15 @@ def _check(x2d, norm_weight, eps):
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
-def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
+def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, zero_centered_gamma: bool,
                           block_scale: str = "pow2", columnwise: bool = True,
                           config: RMSNormFp8BlockConfig | None = None) -> tuple[torch.Tensor, ...]:
     """x2d [T, K] (K % 128 == 0, unit inner stride, any row stride; fp32 / bf16 / fp16) -> the five tensors of
-    `rmsnorm_fp8_block_outputs`. columnwise=False (inference) skips the 128x1 form."""
+    `rmsnorm_fp8_block_outputs`. columnwise=False (inference) skips the 128x1 form. norm_weight None: no RMSNorm
+    (SPEC §7): x itself is quantized, as xn = x · 1 · 1 through the same kernels (rsigma returned as ones)."""
+    no_norm = norm_weight is None
+    if no_norm:
+        norm_weight, zero_centered_gamma = torch.ones(x2d.shape[-1], device=x2d.device, dtype=torch.float32), False
     _check(x2d, norm_weight, eps)
     _fp8_block.check_block_scale(block_scale)
     outs = rmsnorm_fp8_block_outputs(x2d, columnwise)
@@ -207,10 +211,12 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: flo
     if cfg.packed and tj not in (4, 8, 16):
         raise ValueError(f"config {cfg}: the packed kernel needs 4, 8 or 16 tokens per thread, "
                          f"block_k {cfg.block_k} with {cfg.num_warps} warps gives {tj}")
-    _rsigma_kernel[(cdiv(T, cfg.rs_rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps, K=K,
-                                            ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k,
-                                            EMULATED=_op.emulated(x2d.device),
-                                            num_warps=cfg.rs_warps)
+    if no_norm:
+        rsigma.fill_(1.0)
+    else:
+        _rsigma_kernel[(cdiv(T, cfg.rs_rows),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
+                                                K=K, ROWS=cfg.rs_rows, BLOCK_K=cfg.rs_block_k,
+                                                EMULATED=_op.emulated(x2d.device), num_warps=cfg.rs_warps)
     n_t, n_k = cdiv(T, FP8_BLOCK), K // cfg.block_k
     tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
     emulated = _op.emulated(x2d.device)
@@ -245,7 +251,8 @@ def _rmsnorm_fp8_block_fwd_impl(x2d: torch.Tensor, norm_weight: torch.Tensor, cf
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`rmsnorm_fp8_block_fwd` with the layer's eps, gamma form and block scale from cfg (`QProjConfig.encode`)."""
     c = QProjConfig.decode(cfg)
-    return rmsnorm_fp8_block_fwd(x2d, norm_weight, c.eps, c.zero_centered_gamma, c.block_scale, columnwise)
+    return rmsnorm_fp8_block_fwd(x2d, norm_weight if c.norm else None, c.eps, c.zero_centered_gamma, c.block_scale,
+                                 columnwise)
 
 
 def _rmsnorm_fp8_block_fwd_fake(x2d, norm_weight, cfg, columnwise):

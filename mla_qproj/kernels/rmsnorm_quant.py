@@ -7,6 +7,7 @@ L2 the second time). Custom op `mla_qproj::rmsnorm_quant_fwd`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -145,13 +146,14 @@ def rmsnorm_quant_outputs(x2d: torch.Tensor, precision: str, columnwise: bool) -
             e((cdiv(T, MX_BLOCK), K) if mx else (0,), dtype=torch.uint8))
 
 
-def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
+def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, zero_centered_gamma: bool,
                       precision: str, scale_mode: str, columnwise: bool = True,
                       config: RMSNormQuantConfig | None = None) -> tuple[
                           torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x2d [T, K] (unit inner stride) -> (rsigma [T] fp32, A [T, K] bf16, col_data [T, K] fp8,
     col_scale [ceil(T/32), K] uint8); the columnwise pair (what the backward saves) is empty for precision='bf16'
-    or columnwise=False (inference: nothing is saved). config: `default_config` unless given."""
+    or columnwise=False (inference: nothing is saved). config: `default_config` unless given. norm_weight None: no
+    RMSNorm (SPEC §7): x itself is quantized, as xn = x · 1 · 1 through the same kernel (rsigma returned as ones)."""
     T, K = x2d.shape
     rsigma, a, cd, cs = rmsnorm_quant_outputs(x2d, precision, columnwise)
     if T == 0:
@@ -160,7 +162,11 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     mx = precision == "mxfp8" and columnwise
     split = conf.SPLIT
     emulated = _op.emulated(x2d.device)
-    if split:
+    if norm_weight is None:  # rsigma and gamma are 1: the tiled form, which reads rsigma
+        rsigma.fill_(1.0)
+        norm_weight, zero_centered_gamma, split = torch.ones(K, device=x2d.device, dtype=x2d.dtype), False, True
+        conf = dataclasses.replace(conf, SPLIT=True)
+    elif split:
         _rsigma_kernel[(cdiv(T, conf.RS_ROWS),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
                                                  K=K, ROWS=conf.RS_ROWS, BLOCK_K=conf.RS_BLOCK_K, EMULATED=emulated,
                                                  num_warps=conf.rs_num_warps)
@@ -186,7 +192,8 @@ def _rmsnorm_quant_fwd_impl(x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: s
     """`rmsnorm_quant_fwd` with the layer's eps, gamma form, precision and scale mode from cfg
     (`QProjConfig.encode`)."""
     c = QProjConfig.decode(cfg)
-    return rmsnorm_quant_fwd(x2d, norm_weight, c.eps, c.zero_centered_gamma, c.precision, c.scale_mode, columnwise)
+    return rmsnorm_quant_fwd(x2d, norm_weight if c.norm else None, c.eps, c.zero_centered_gamma, c.precision,
+                             c.scale_mode, columnwise)
 
 
 def _rmsnorm_quant_fwd_fake(x2d, norm_weight, cfg, columnwise):

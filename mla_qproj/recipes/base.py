@@ -24,6 +24,12 @@ from ..distributed import Gather, Parallel, gather_rows, start_gathers, wait_gat
 Operands = tuple  # of tensors; the layout is the recipe's
 
 
+def norm_arg(x2d: torch.Tensor, norm_weight: torch.Tensor | None) -> torch.Tensor:
+    """The norm weight as the RMSNorm + quantize custom ops take it: a tensor (an empty one for a layer without a
+    norm, whose config tells the op so)."""
+    return x2d.new_empty(0) if norm_weight is None else norm_weight
+
+
 @dataclass
 class PreparedWeight:
     """What the GEMMs read of W, derived once per weight version (the module caches it under `key`)."""

@@ -69,8 +69,9 @@ class FP8Block(Recipe):
             return rsigma, a, ref8.quantize_blocks(xn, (FP8_BLOCK, 1), bs) if save else ()
         from ..kernels._op import encoded
         from ..kernels.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd_op
+        from .base import norm_arg
 
-        rsigma, ad, asv, cd, cs = rmsnorm_fp8_block_fwd_op(x2d, norm_weight, encoded(cfg), save)
+        rsigma, ad, asv, cd, cs = rmsnorm_fp8_block_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
         # a: codes [T, K], scale_inv M-major [K/128, T]; saved: codes transposed [K, T_pad], scale_inv [T/128, K]
         return rsigma, (ad, asv), (cd, cs) if save else ()
 

@@ -17,7 +17,7 @@ from ..reference import mxfp8 as ref_mx
 from ..reference import qproj as ref
 from ..reference.rope import apply_rope
 from ._gemm import mm_accumulate, mm_fp32, mm_into_dtype
-from .base import Operands, PreparedWeight, Recipe
+from .base import Operands, PreparedWeight, Recipe, norm_arg
 
 
 def query_outputs(rd, rs, cd, cs, T: int, cfg: QProjConfig) -> tuple:
@@ -134,7 +134,7 @@ class MXFP8(ImageRecipe):
         from ..kernels._op import encoded
         from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
 
-        rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_weight, encoded(cfg), save)
+        rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
         return rsigma, (a,), (xcd, xcs) if save else ()
 
     # the GEMM input is the exact image of xn's rowwise MXFP8; it crosses the ranks as MXFP8 (codes and scale bytes:
@@ -197,7 +197,7 @@ class BF16(ImageRecipe):
         from ..kernels._op import encoded
         from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
 
-        rsigma, a, _, _ = rmsnorm_quant_fwd_op(x2d, norm_weight, encoded(cfg), save)
+        rsigma, a, _, _ = rmsnorm_quant_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
         return rsigma, (a,), (a,) if save else ()
 
     def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):

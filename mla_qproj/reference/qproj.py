@@ -15,9 +15,12 @@ from .mxfp8 import dequantize_columnwise, dequantize_rowwise, quantize_columnwis
 from .rope import apply_rope_inverse
 
 
-def rmsnorm_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
-    """xn = x * rsigma * g in fp32 (g = 1 + w when zero-centered); returns (xn fp32, rsigma fp32 [T])."""
+def rmsnorm_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, zero_centered_gamma: bool):
+    """xn = x * rsigma * g in fp32 (g = 1 + w when zero-centered); returns (xn fp32, rsigma fp32 [T]). norm_weight
+    None: a layer without a norm (SPEC §7): xn = x in fp32, rsigma ones."""
     xf = x2d.float()
+    if norm_weight is None:
+        return xf, xf.new_ones(xf.shape[0])
     rsigma = torch.rsqrt(xf.pow(2).mean(-1) + eps)
     g = norm_weight.float() + 1.0 if zero_centered_gamma else norm_weight.float()
     return xf * rsigma.unsqueeze(-1) * g, rsigma
