@@ -1,15 +1,17 @@
 """HF transformers integration: the DeepseekV3 query path through `FusedMLAQUpProjection`.
 
-`patch_deepseek_v3(model)` gives every `DeepseekV3Attention` in `model` (with `q_lora_rank` set) an instance-level
-forward that computes `q_b_proj(q_a_layernorm(x))` and the RoPE of its rope columns in one fused layer, and leaves
+`patch_deepseek_v3(model)` gives every `DeepseekV3Attention` in `model` an instance-level forward that computes
+`q_b_proj(q_a_layernorm(x))` (or, for a config without `q_lora_rank`, `q_proj(x)`: the layer without a norm) and
+the RoPE of its rope columns in one fused layer, and leaves
 everything else as the installed transformers file does it (keys, values, KV cache, mask, attention function,
 output projection). `unpatch_deepseek_v3(model)` removes it again; `fused_query_layer(attn)` returns an attention
 module's fused layer.
 
 The fused layer is built with `FusedMLAQUpProjection.from_modules`, so its `weight` / `norm_weight` ARE
-`q_b_proj.weight` / `q_a_layernorm.weight` (no copies). It lives in the attention module's `__dict__` under a private
-name, outside the module tree: `state_dict()` keys, `load_state_dict(strict=True)`, `save_pretrained` /
-`from_pretrained` and `.to()` see only the HF model's own parameters.
+`q_b_proj.weight` / `q_a_layernorm.weight` (`q_proj.weight` alone without q_lora_rank; no copies). It lives in the
+attention module's `__dict__` under a private name, outside the module tree: `state_dict()` keys,
+`load_state_dict(strict=True)`, `save_pretrained` / `from_pretrained` and `.to()` see only the HF model's own
+parameters.
 
 Written against transformers 5.17 and 5.24 (`DeepseekV3Attention.forward` takes the cache as `past_key_values` in
 5.17 and as `cache` in 5.24; both have `expand_kv`); other versions are refused when their attention lacks what the
@@ -19,7 +21,6 @@ patched forward calls.
 from __future__ import annotations
 
 import inspect
-import warnings
 
 import torch
 from torch import nn
@@ -85,9 +86,10 @@ def _rope_from_config(config) -> tuple[float, dict | None]:
 def _build_layer(attn: nn.Module, layer_kwargs: dict) -> FusedMLAQUpProjection:
     config = attn.config
     rope_theta, rope_scaling = _rope_from_config(config)
+    norm, linear = (attn.q_a_layernorm, attn.q_b_proj) if attn.q_lora_rank is not None else (None, attn.q_proj)
     try:
         return FusedMLAQUpProjection.from_modules(
-            attn.q_a_layernorm, attn.q_b_proj, num_heads=attn.num_heads, qk_head_dim=attn.qk_nope_head_dim,
+            norm, linear, num_heads=attn.num_heads, qk_head_dim=attn.qk_nope_head_dim,
             qk_pos_emb_head_dim=attn.qk_rope_head_dim, q_head_dim=attn.qk_head_dim,
             # HF rope_interleave=True: pairs (2i, 2i+1) out as [a' | b'] = SPEC §3 "deepseek"; False: rotate_half
             rope_style="deepseek" if config.rope_interleave else "neox",
@@ -105,9 +107,10 @@ def _synced_layer(attn: nn.Module) -> FusedMLAQUpProjection:
     kept: it feeds only the `position_ids` tables of a direct layer call).
     """
     layer = attn.__dict__[_LAYER_KEY]
-    if layer.weight is not attn.q_b_proj.weight:
-        layer.weight = attn.q_b_proj.weight
-    if layer.norm_weight is not attn.q_a_layernorm.weight:
+    linear = attn.q_b_proj if attn.q_lora_rank is not None else attn.q_proj
+    if layer.weight is not linear.weight:
+        layer.weight = linear.weight
+    if attn.q_lora_rank is not None and layer.norm_weight is not attn.q_a_layernorm.weight:
         layer.norm_weight = attn.q_a_layernorm.weight
     if layer.inv_freq.device != layer.weight.device:
         layer.inv_freq = layer.inv_freq.to(layer.weight.device)
@@ -127,9 +130,10 @@ def _patched_forward(self, hidden_states: torch.Tensor, position_embeddings: tup
     batch_size, seq_length = hidden_states.shape[:-1]
     cos, sin = position_embeddings  # HF's tables [b, s, R]: they already carry YaRN's attention scaling
 
-    # query [b, s, H, D] = RoPE(W_uq · RMSNorm(q_a_proj(h))), nope columns first, then the rotated rope columns
-    # (what HF builds as cat(q_pass, q_rot)); attention takes it dense in the activations' dtype
-    q = layer(self.q_a_proj(hidden_states), cos, sin)
+    # query [b, s, H, D] = RoPE(W_uq · RMSNorm(q_a_proj(h))) (without q_lora_rank: RoPE(W_q · h)), nope columns
+    # first, then the rotated rope columns (what HF builds as cat(q_pass, q_rot)); attention takes it dense in the
+    # activations' dtype
+    q = layer(self.q_a_proj(hidden_states) if self.q_lora_rank is not None else hidden_states, cos, sin)
     q = q.dequantize(hidden_states.dtype) if isinstance(q, MXFP8Tensor) else q.to(hidden_states.dtype)
     query_states = q.transpose(1, 2)  # [b, H, s, D]
 
@@ -197,8 +201,9 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     query: a bf16 query is cast to the activations' dtype, an MXFP8 one (`output_format="mxfp8"`) is dequantized
     to it.
 
-    Attention modules without `q_lora_rank` (they use `q_proj`) are left as they are, with one warning. Patching a
-    patched model rebuilds the fused layers with the new layer_kwargs. Returns `model` (patched in place).
+    Attention modules without `q_lora_rank` (they use `q_proj` on the normalized hidden state) get the layer without
+    a norm (`norm=None`, sharing `q_proj.weight`). Patching a patched model rebuilds the fused layers with the new
+    layer_kwargs. Returns `model` (patched in place).
     Raises TypeError for a layer argument the model's config and modules fix (geometry, eps, RoPE), ValueError for
     a geometry the layer does not support (all checked before any module is changed).
     """
@@ -217,7 +222,7 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     attns = [m for m in model.modules() if isinstance(m, _hf.DeepseekV3Attention)]
     if not attns:
         raise ValueError("patch_deepseek_v3: model has no DeepseekV3Attention module")
-    plan, skipped = [], 0
+    plan = []
     for attn in attns:
         if type(attn).forward is not _hf.DeepseekV3Attention.forward:
             raise TypeError(f"patch_deepseek_v3: {type(attn).__name__} overrides DeepseekV3Attention.forward; "
@@ -225,17 +230,11 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
         if "forward" in attn.__dict__ and not _is_patched(attn):
             raise RuntimeError(f"patch_deepseek_v3: attention layer {attn.layer_idx} already has an instance-level "
                                "forward (e.g. accelerate hooks from device_map); patch before adding those")
-        if attn.q_lora_rank is None:
-            skipped += 1
-            continue
         plan.append((attn, _build_layer(attn, kwargs)))
     for attn, layer in plan:
         _remove_patch(attn)
         object.__setattr__(attn, _LAYER_KEY, layer)  # plain attribute: not a submodule, no state_dict entries
         object.__setattr__(attn, "forward", _PatchedForward(attn))
-    if skipped:
-        warnings.warn(f"patch_deepseek_v3: {skipped} of {len(attns)} DeepseekV3 attention modules have no "
-                      "q_lora_rank (they use q_proj) and were left unpatched", stacklevel=2)
     return model
 
 

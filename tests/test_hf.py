@@ -447,14 +447,34 @@ def test_unpatch_restores_exactly(precision):
     unpatch_deepseek_v3(twin)  # a no-op on an unpatched model
 
 
-def test_no_q_lora_rank_left_alone():
-    model = _model(q_lora_rank=None)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_no_q_lora_rank_gets_the_norm_free_layer(impl):
+    """A config without q_lora_rank (q_proj on the already-normalized hidden state, as DeepSeek-V2-Lite): the layer
+    without a norm, sharing q_proj.weight. Logits and q_proj's gradient match the unpatched model, the state_dict
+    keys are unchanged, greedy decoding runs, and unpatching restores the model exactly."""
+    model = _model(q_lora_rank=None, attn_implementation=impl)
+    twin = copy.deepcopy(model)
     ids = _ids()
+    keys = list(model.state_dict())
     ref = model(ids).logits
-    with pytest.warns(UserWarning, match=r"2 of 2 DeepseekV3 attention modules have no q_lora_rank"):
-        patch_deepseek_v3(model)
+    patch_deepseek_v3(model)
     for a in _attentions(model):
-        assert "forward" not in a.__dict__ and fused_query_layer(a) is None
+        layer = fused_query_layer(a)
+        assert layer.norm_weight is None and layer.weight is a.q_proj.weight and layer.cfg.norm is False
+    assert list(model.state_dict()) == keys
+    assert_rel_err(model(ids).logits, ref, REL_ERR_BF16, f"logits {impl}")
+    g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
+    for m in (model, twin):
+        m.zero_grad(set_to_none=True)
+        (m(ids).logits * g).sum().backward()
+    got = {n: p.grad for n, p in model.named_parameters() if "q_proj" in n}
+    want = {n: p.grad for n, p in twin.named_parameters() if "q_proj" in n}
+    assert sorted(got) == sorted(want) and len(got) == 2
+    for n in want:
+        assert_rel_err(got[n], want[n], REL_ERR_BF16, f"grad {n}")
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert out.shape == (2, 11)
+    unpatch_deepseek_v3(model)
     assert torch.equal(model(ids).logits, ref)
 
 
