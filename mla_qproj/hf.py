@@ -33,7 +33,12 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("mla_qproj.hf needs transformers (pip install 'transformers>=5.17')") from e
 
-__all__ = ["patch_deepseek_v3", "unpatch_deepseek_v3", "fused_query_layer"]
+try:  # DeepseekV2 (V2, V2-Lite, V2.5): complex-number RoPE; patched when transformers has what its forward calls
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as _hf2
+except ImportError:  # pragma: no cover - transformers without DeepseekV2
+    _hf2 = None
+
+__all__ = ["patch_deepseek", "unpatch_deepseek", "patch_deepseek_v3", "unpatch_deepseek_v3", "fused_query_layer"]
 
 _LAYER_KEY = "_mla_qproj_query_layer"  # attn.__dict__ entry holding the fused layer (not a registered submodule)
 _ALLOWED_KWARGS = ("precision", "output_format", "scale_mode", "block_scale", "backend", "columnwise_output")
@@ -59,6 +64,10 @@ def _hf_support_problem() -> str | None:
 
 
 _UNSUPPORTED = _hf_support_problem()
+_V2_NAMES = ("apply_rotary_emb", "eager_attention_forward", "ALL_ATTENTION_FUNCTIONS", "DeepseekV2Attention")
+_V2 = (_hf2.DeepseekV2Attention if _hf2 is not None and all(hasattr(_hf2, n) for n in _V2_NAMES)
+       and hasattr(_hf2.DeepseekV2Attention, "expand_kv")
+       and "cache" in inspect.signature(_hf2.DeepseekV2Attention.forward).parameters else None)
 # Newer transformers (5.24) name the forward's cache argument `cache` and hand the attention kwargs to cache.update;
 # 5.17 names it `past_key_values` and passes no kwargs. Mirrored as installed.
 _CACHE_TAKES_KWARGS = _UNSUPPORTED is None and "cache" in inspect.signature(_hf.DeepseekV3Attention.forward).parameters
@@ -87,12 +96,15 @@ def _build_layer(attn: nn.Module, layer_kwargs: dict) -> FusedMLAQUpProjection:
     config = attn.config
     rope_theta, rope_scaling = _rope_from_config(config)
     norm, linear = (attn.q_a_layernorm, attn.q_b_proj) if attn.q_lora_rank is not None else (None, attn.q_proj)
+    if _is_v2(attn):  # view_as_complex of pairs (2i, 2i + 1), written back in place: SPEC §3 "gptj"
+        style = "gptj"
+    else:  # HF rope_interleave=True: pairs (2i, 2i+1) out as [a' | b'] = SPEC §3 "deepseek"; False: rotate_half
+        style = "deepseek" if config.rope_interleave else "neox"
     try:
         return FusedMLAQUpProjection.from_modules(
             norm, linear, num_heads=attn.num_heads, qk_head_dim=attn.qk_nope_head_dim,
             qk_pos_emb_head_dim=attn.qk_rope_head_dim, q_head_dim=attn.qk_head_dim,
-            # HF rope_interleave=True: pairs (2i, 2i+1) out as [a' | b'] = SPEC §3 "deepseek"; False: rotate_half
-            rope_style="deepseek" if config.rope_interleave else "neox",
+            rope_style=style,
             rope_theta=rope_theta, rope_scaling=rope_scaling, **layer_kwargs)
     except ValueError as e:
         raise ValueError(f"patch_deepseek_v3: attention layer {attn.layer_idx}: {e}") from e
@@ -161,6 +173,41 @@ def _patched_forward(self, hidden_states: torch.Tensor, position_embeddings: tup
     return self.o_proj(attn_output), attn_weights
 
 
+def _is_v2(attn: nn.Module) -> bool:
+    return _V2 is not None and isinstance(attn, _V2)
+
+
+def _patched_forward_v2(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
+                        position_embeddings: torch.Tensor | None = None, past_key_values=None, **kwargs):
+    """DeepseekV2Attention.forward with the query path fused; everything else as the installed file does it. HF's
+    V2 RoPE is complex: `position_embeddings` is freqs_cis [b, s, R/2] (attention scaling folded in), its real and
+    imaginary parts the cos and sin half tables."""
+    layer = _synced_layer(self)
+    if cache is None:
+        cache = past_key_values
+    batch_size, seq_length = hidden_states.shape[:-1]
+    cos, sin = position_embeddings.real, position_embeddings.imag
+    q = layer(self.q_a_proj(hidden_states) if self.q_lora_rank is not None else hidden_states, cos, sin)
+    q = q.dequantize(hidden_states.dtype) if isinstance(q, MXFP8Tensor) else q.to(hidden_states.dtype)
+    query_states = q.transpose(1, 2)  # [b, H, s, D]
+
+    compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+    kv_nope, k_pe = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    k_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, self.kv_lora_rank)
+    k_pe = k_pe.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
+    _, k_pe = _hf2.apply_rotary_emb(k_pe, k_pe, position_embeddings.to(k_pe.device))  # HF's own RoPE for the key
+    if cache is not None:
+        k_nope, k_pe = cache.update(k_nope, k_pe, self.layer_idx, kwargs=kwargs)
+    key_states, value_states = self.expand_kv(k_nope, k_pe)
+    attention_interface = _hf2.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, _hf2.eager_attention_forward)
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+    attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
 class _PatchedForward:
     """`attn.forward` while patched: `_patched_forward` bound to one attention module. A module-level class rather
     than a bound method so that a patched model pickles (torch.save) and unpickles (a bound method would be looked
@@ -172,6 +219,8 @@ class _PatchedForward:
         self.attn = attn
 
     def __call__(self, *args, **kwargs):
+        if _is_v2(self.attn):
+            return _patched_forward_v2(self.attn, *args, **kwargs)
         return _patched_forward(self.attn, *args, **kwargs)
 
 
@@ -186,11 +235,13 @@ def _remove_patch(attn: nn.Module) -> None:
 
 
 def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
-    """Route the query path of every DeepseekV3 attention in `model` through one `FusedMLAQUpProjection`.
+    """Route the query path of every DeepseekV3 and DeepseekV2 attention in `model` through one
+    `FusedMLAQUpProjection` (also named `patch_deepseek`).
 
-    Per attention module (found by class, `DeepseekV3Attention`): `q_b_proj(q_a_layernorm(.))` and the RoPE of the
-    query's rope columns become one fused layer sharing `q_a_layernorm.weight` and `q_b_proj.weight`. RoPE style
-    from `config.rope_interleave` (True: "deepseek", False: "neox"); `rope_theta` and YaRN scaling from
+    Per attention module (found by class, `DeepseekV3Attention`, `DeepseekV2Attention`): `q_b_proj(q_a_layernorm(.))`
+    and the RoPE of the query's rope columns become one fused layer sharing `q_a_layernorm.weight` and
+    `q_b_proj.weight`. RoPE style: V3 from `config.rope_interleave` (True: "deepseek", False: "neox"), V2 "gptj"
+    (its complex RoPE rotates the pairs (2i, 2i + 1) in place); `rope_theta` and YaRN scaling from
     `config.rope_parameters` (for direct `layer(x, position_ids=...)` calls). The patched forward applies the cos /
     sin tables HF passes in `position_embeddings` (YaRN's attention scaling included), so query and key rotate with
     the same tables. Keys, values, the KV cache, masks and the attention function (`attn_implementation`, eager /
@@ -219,13 +270,15 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
         raise TypeError(f"patch_deepseek_v3: unsupported layer argument(s) {unknown}; allowed: {_ALLOWED_KWARGS} "
                         "(geometry, eps and RoPE come from the model)")
     kwargs = {**_DEFAULT_KWARGS, **layer_kwargs}
-    attns = [m for m in model.modules() if isinstance(m, _hf.DeepseekV3Attention)]
+    classes = (_hf.DeepseekV3Attention,) + ((_V2,) if _V2 is not None else ())
+    attns = [m for m in model.modules() if isinstance(m, classes)]
     if not attns:
-        raise ValueError("patch_deepseek_v3: model has no DeepseekV3Attention module")
+        raise ValueError("patch_deepseek_v3: model has no DeepseekV3Attention (or DeepseekV2Attention) module")
     plan = []
     for attn in attns:
-        if type(attn).forward is not _hf.DeepseekV3Attention.forward:
-            raise TypeError(f"patch_deepseek_v3: {type(attn).__name__} overrides DeepseekV3Attention.forward; "
+        base = _V2 if _is_v2(attn) else _hf.DeepseekV3Attention
+        if type(attn).forward is not base.forward:
+            raise TypeError(f"patch_deepseek_v3: {type(attn).__name__} overrides {base.__name__}.forward; "
                             "its query path is not the one this patch mirrors")
         if "forward" in attn.__dict__ and not _is_patched(attn):
             raise RuntimeError(f"patch_deepseek_v3: attention layer {attn.layer_idx} already has an instance-level "
@@ -255,3 +308,7 @@ def fused_query_layer(attn: nn.Module) -> FusedMLAQUpProjection | None:
     if not isinstance(attn, nn.Module):
         raise TypeError(f"attn must be a torch.nn.Module, got {type(attn).__name__}")
     return _synced_layer(attn) if _is_patched(attn) else None
+
+
+patch_deepseek = patch_deepseek_v3  # the same function under a name that covers DeepseekV2 models too
+unpatch_deepseek = unpatch_deepseek_v3

@@ -20,11 +20,17 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_mod  # noqa: E402
 
 from mla_qproj import FusedMLAQUpProjection  # noqa: E402
-from mla_qproj.hf import fused_query_layer, patch_deepseek_v3, unpatch_deepseek_v3  # noqa: E402
+from mla_qproj.hf import (  # noqa: E402
+    fused_query_layer,
+    patch_deepseek,
+    patch_deepseek_v3,
+    unpatch_deepseek,
+    unpatch_deepseek_v3,
+)
 
 from conftest import examples
 from _tolerances import (  # noqa: E402
@@ -520,3 +526,64 @@ def test_cuda_model(precision):
     assert_rel_err(out.float(), ref_out.float(), bound, f"cuda logits ({precision}) vs unpatched")
     assert rel_err(out.float().cpu(), exact) <= max(bound, 1.5 * rel_err(ref_out.float().cpu(), exact))
     assert isinstance(layer, FusedMLAQUpProjection)
+
+
+# ------------------------------------------------------------------------------------------- DeepseekV2
+
+
+def _model_v2(q_lora_rank, impl: str = "sdpa", seed: int = 0) -> DeepseekV2ForCausalLM:
+    """A tiny DeepseekV2 model (dense MLPs only: no router whose top-k choice a rounding could flip), weights as in
+    `_model`."""
+    cfg = DeepseekV2Config(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+                           n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=2,
+                           q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                           v_head_dim=16, max_position_embeddings=64, attn_implementation=impl, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2)
+    model = DeepseekV2ForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            r = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * r if p.dim() == 1 else r / p.shape[-1] ** 0.5)
+    return model
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("q_lora_rank", [32, None])
+def test_deepseek_v2(q_lora_rank, impl):
+    """DeepseekV2 (complex-number RoPE: the "gptj" pairs), with and without q_lora_rank: logits and the query
+    weights' gradients against the unpatched model, state_dict keys unchanged, greedy decoding with the cache, and
+    unpatching restores the model exactly."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2
+
+    model = _model_v2(q_lora_rank, impl)
+    twin = copy.deepcopy(model)
+    ids = _ids()
+    keys = list(model.state_dict())
+    ref = model(ids).logits
+    patch_deepseek(model)
+    attns = [m for m in model.modules() if isinstance(m, hf2.DeepseekV2Attention)]
+    assert len(attns) == 2
+    for a in attns:
+        layer = fused_query_layer(a)
+        assert layer is not None and layer.cfg.rope_style == "gptj" and layer.cfg.norm == (q_lora_rank is not None)
+    assert list(model.state_dict()) == keys
+    assert_rel_err(model(ids).logits, ref, REL_ERR_BF16, f"logits {impl}")
+    g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
+    names = ("q_proj",) if q_lora_rank is None else ("q_a_", "q_b_")
+    grads = []
+    for m in (model, twin):
+        m.zero_grad(set_to_none=True)
+        (m(ids).logits * g).sum().backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if any(k in n for k in names)})
+    assert sorted(grads[0]) == sorted(grads[1]) and len(grads[0]) == 2 * (1 if q_lora_rank is None else 3)
+    for n in grads[1]:
+        assert_rel_err(grads[0][n], grads[1][n], REL_ERR_BF16, f"grad {n}")
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        teacher = twin(out.sequences).logits[:, 7:10]
+    assert_rel_err(torch.stack(out.logits, dim=1), teacher, REL_ERR_BF16, "cached decoding vs unpatched")
+    unpatch_deepseek(model)
+    assert torch.equal(model(ids).logits, ref)
