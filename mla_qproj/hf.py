@@ -131,20 +131,14 @@ def _synced_layer(attn: nn.Module) -> FusedMLAQUpProjection:
     return layer
 
 
-def _patched_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                     attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None, **kwargs):
-    """DeepseekV3Attention.forward with the query path fused; everything else as the installed file does it."""
-    layer = _synced_layer(self)
-    if bool(self.config.rope_interleave) != (layer.cfg.rope_style == "deepseek"):
-        raise RuntimeError("config.rope_interleave changed after patch_deepseek_v3: call patch_deepseek_v3 again")
-    if cache is None:
-        cache = past_key_values
+def _attention(self, layer: FusedMLAQUpProjection, hidden_states: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, rope_key, attention_mask, cache, kwargs: dict, hf, cache_kwargs: bool):
+    """The MLA attention of HF's DeepseekV2 / V3 forward with the query path fused: the query [b, s, H, D] =
+    RoPE(W_uq · RMSNorm(q_a_proj(h))) (without q_lora_rank: RoPE(W_q · h)), nope columns first, then the rotated
+    rope columns (what HF builds as cat(q_pass, q_rot)), dense in the activations' dtype for the attention
+    function; keys (rotated by `rope_key`, HF's own RoPE), values, cache and attention as the installed file does
+    them (`hf`: its modeling module)."""
     batch_size, seq_length = hidden_states.shape[:-1]
-    cos, sin = position_embeddings  # HF's tables [b, s, R]: they already carry YaRN's attention scaling
-
-    # query [b, s, H, D] = RoPE(W_uq · RMSNorm(q_a_proj(h))) (without q_lora_rank: RoPE(W_q · h)), nope columns
-    # first, then the rotated rope columns (what HF builds as cat(q_pass, q_rot)); attention takes it dense in the
-    # activations' dtype
     q = layer(self.q_a_proj(hidden_states) if self.q_lora_rank is not None else hidden_states, cos, sin)
     q = q.dequantize(hidden_states.dtype) if isinstance(q, MXFP8Tensor) else q.to(hidden_states.dtype)
     query_states = q.transpose(1, 2)  # [b, H, s, D]
@@ -152,25 +146,34 @@ def _patched_forward(self, hidden_states: torch.Tensor, position_embeddings: tup
     compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
     kv_nope, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
     kv_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, self.kv_lora_rank)
-    k_rot = k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
-    # HF's own RoPE function for the shared key (each output depends only on its own input: an empty query slot)
-    rope = _hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else _hf.apply_rotary_pos_emb
-    _, k_rot = rope(k_rot[:, :0], k_rot, cos, sin)
-
+    k_rot = rope_key(k_rot.view(batch_size, 1, seq_length, self.qk_rope_head_dim))
     if cache is not None:  # the latents are cached compressed, as in HF
-        if _CACHE_TAKES_KWARGS:
+        if cache_kwargs:
             kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx, kwargs=kwargs)
         else:
             kv_nope, k_rot = cache.update(kv_nope, k_rot, self.layer_idx)
     key_states, value_states = self.expand_kv(kv_nope, k_rot)
 
-    attention_interface = _hf.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, _hf.eager_attention_forward)
+    attention_interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, hf.eager_attention_forward)
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
     attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
+
+
+def _patched_forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                     attention_mask: torch.Tensor | None = None, cache=None, past_key_values=None, **kwargs):
+    """DeepseekV3Attention.forward with the query path fused; everything else as the installed file does it."""
+    layer = _synced_layer(self)
+    if bool(self.config.rope_interleave) != (layer.cfg.rope_style == "deepseek"):
+        raise RuntimeError("config.rope_interleave changed after patch_deepseek_v3: call patch_deepseek_v3 again")
+    cos, sin = position_embeddings  # HF's tables [b, s, R]: they already carry YaRN's attention scaling
+    # HF's own RoPE function for the shared key (each output depends only on its own input: an empty query slot)
+    rope = _hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else _hf.apply_rotary_pos_emb
+    return _attention(self, layer, hidden_states, cos, sin, lambda k: rope(k[:, :0], k, cos, sin)[1],
+                      attention_mask, past_key_values if cache is None else cache, kwargs, _hf, _CACHE_TAKES_KWARGS)
 
 
 def _is_v2(attn: nn.Module) -> bool:
@@ -179,33 +182,13 @@ def _is_v2(attn: nn.Module) -> bool:
 
 def _patched_forward_v2(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
                         position_embeddings: torch.Tensor | None = None, past_key_values=None, **kwargs):
-    """DeepseekV2Attention.forward with the query path fused; everything else as the installed file does it. HF's
-    V2 RoPE is complex: `position_embeddings` is freqs_cis [b, s, R/2] (attention scaling folded in), its real and
-    imaginary parts the cos and sin half tables."""
+    """DeepseekV2Attention.forward with the query path fused. HF's V2 RoPE is complex: `position_embeddings` is
+    freqs_cis [b, s, R/2] (attention scaling folded in), its real and imaginary parts the cos and sin half tables."""
     layer = _synced_layer(self)
-    if cache is None:
-        cache = past_key_values
-    batch_size, seq_length = hidden_states.shape[:-1]
-    cos, sin = position_embeddings.real, position_embeddings.imag
-    q = layer(self.q_a_proj(hidden_states) if self.q_lora_rank is not None else hidden_states, cos, sin)
-    q = q.dequantize(hidden_states.dtype) if isinstance(q, MXFP8Tensor) else q.to(hidden_states.dtype)
-    query_states = q.transpose(1, 2)  # [b, H, s, D]
-
-    compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
-    kv_nope, k_pe = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-    k_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, self.kv_lora_rank)
-    k_pe = k_pe.view(batch_size, 1, seq_length, self.qk_rope_head_dim)
-    _, k_pe = _hf2.apply_rotary_emb(k_pe, k_pe, position_embeddings.to(k_pe.device))  # HF's own RoPE for the key
-    if cache is not None:
-        k_nope, k_pe = cache.update(k_nope, k_pe, self.layer_idx, kwargs=kwargs)
-    key_states, value_states = self.expand_kv(k_nope, k_pe)
-    attention_interface = _hf2.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, _hf2.eager_attention_forward)
-    attn_output, attn_weights = attention_interface(
-        self, query_states, key_states, value_states, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
-    attn_output = attn_output.reshape(batch_size, seq_length, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+    fc = position_embeddings
+    return _attention(self, layer, hidden_states, fc.real, fc.imag,
+                      lambda k: _hf2.apply_rotary_emb(k, k, fc.to(k.device))[1],  # HF's own RoPE for the key
+                      attention_mask, past_key_values if cache is None else cache, kwargs, _hf2, True)
 
 
 class _PatchedForward:
