@@ -48,9 +48,10 @@ def fused_on(device: torch.device) -> bool:
 def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, use_triton: bool, key: tuple,
                    src: torch.Tensor | None) -> PreparedWeight:
     """What the GEMMs read of W (the module caches it per weight version); src: `fused_row_source(cfg)`."""
-    fused = src if (use_triton and src is not None and fused_on(weight.device)) else None
-    if fused is not None and fused.device != weight.device:
-        fused = fused.to(weight.device)
+    device = (weight[0] if isinstance(weight, tuple) else weight).device  # (codes, scale_inv): pre-quantized
+    fused = src if (use_triton and src is not None and fused_on(device)) else None
+    if fused is not None and fused.device != device:
+        fused = fused.to(device)
     return get_recipe(cfg.precision).prepare_weight(weight, cfg, use_triton, key, fused)
 
 
@@ -117,26 +118,31 @@ def head_groups(T: int, cfg: QProjConfig) -> int:
 
 def backward(dq2d, x2d, rsigma, saved, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig,
              use_triton: bool, main_grad: torch.Tensor | None = None, dw_dtype: torch.dtype = torch.float32,
-             par: Parallel | None = None):
+             par: Parallel | None = None, need_dw: bool = True):
     """Returns (dx, dnorm_weight, dW in dw_dtype rounded once from the fp32 sum, or None when accumulated into
-    main_grad). With sequence parallelism dq2d covers every rank's tokens and x2d this rank's."""
+    main_grad or not needed: need_dw False skips the wgrad GEMMs, a frozen weight). With sequence parallelism dq2d
+    covers every rank's tokens and x2d this rank's."""
     recipe = get_recipe(cfg.precision)
     sp = par is not None and par.sequence_parallel
-    if sp:  # in flight while the first group's inverse RoPE and dgrad run; waited on by its wgrad
+    gather = sp and need_dw  # the saved xn of every rank: only the wgrad reads it
+    if gather:  # in flight while the first group's inverse RoPE and dgrad run; waited on by its wgrad
         pending = recipe.start_gather_saved(saved, par, cfg, use_triton)
     T, N = dq2d.shape
     groups = head_groups(T, cfg) if use_triton else 1
     ng, gcfg = N // groups, cfg.with_heads(cfg.num_heads // groups)
-    dw = None if main_grad is not None else torch.empty(N, cfg.q_lora_rank, dtype=dw_dtype, device=dq2d.device)
+    dw = None if main_grad is not None or not need_dw else torch.empty(N, cfg.q_lora_rank, dtype=dw_dtype,
+                                                                       device=dq2d.device)
     dxn = None
     for g in range(groups):
         cols = slice(g * ng, (g + 1) * ng)
         g_row, g_col = recipe.grad_operands(dq2d[:, cols], cos_h, sin_h, gcfg, use_triton)
         dxn = recipe.dgrad(g_row, pw, cols, cfg, use_triton, dxn)
         del g_row  # [T, N / groups]: freed before the wgrad (lower peak memory)
-        if sp and g == 0:
+        if gather and g == 0:
             saved = recipe.gathered_saved(pending, par, cfg, use_triton)
-        if main_grad is not None:
+        if not need_dw:
+            pass
+        elif main_grad is not None:
             recipe.wgrad(g_col, saved, cols, cfg, use_triton, main_grad[cols], accumulate=True)
         else:
             recipe.wgrad(g_col, saved, cols, cfg, use_triton, dw[cols], accumulate=False)

@@ -83,7 +83,8 @@ class _FusedMLAQUpProjFunction(torch.autograd.Function):
         main_grad = getattr(weight, "main_grad", None) if ctx.needs_input_grad[2] else None
         with torch.autocast(dq.device.type, enabled=False):
             dx, dg, dw = backend.backward(dq2d, x2d, rsigma, tuple(saved), norm_weight, ctx.pw, cos_h, sin_h, cfg,
-                                          ctx.use_triton, main_grad=main_grad, dw_dtype=weight.dtype, par=ctx.par)
+                                          ctx.use_triton, main_grad=main_grad, dw_dtype=weight.dtype, par=ctx.par,
+                                          need_dw=ctx.needs_input_grad[2])
         if dw is None:  # Megatron convention: accumulated into weight.main_grad
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True

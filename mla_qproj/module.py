@@ -51,6 +51,31 @@ def _check_rmsnorm(norm) -> None:
                          f"`eps` or `variance_epsilon`), got {name}: the layer computes RMSNorm whatever norm it wraps")
 
 
+def _check_fp8_weight(linear: nn.Module, lw: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+    """A checkpoint's pre-quantized Linear (E4M3 codes in `weight`, the 128x128 `weight_scale_inv` beside them, as
+    DeepSeek-V3 ships q_b_proj and transformers' fine-grained FP8 loads it): its scale_inv, checked; None for a
+    high-precision Linear."""
+    if lw.dtype != torch.float8_e4m3fn:
+        return None
+    if kwargs.get("precision") != "fp8_block":
+        raise ValueError(f"linear.weight is float8_e4m3fn (pre-quantized): precision must be 'fp8_block', got "
+                         f"{kwargs.get('precision', 'mxfp8')!r}")
+    si = getattr(linear, "weight_scale_inv", None)
+    N, K = lw.shape
+    want = (-(-N // 128), -(-K // 128))
+    if not isinstance(si, torch.Tensor) or si.dtype != torch.float32 or tuple(si.shape) != want:
+        raise ValueError(f"linear.weight is float8_e4m3fn: linear.weight_scale_inv must be float32 {list(want)} "
+                         f"(128x128 blocks), got {None if si is None else (si.dtype, tuple(si.shape))}")
+    block = getattr(linear, "block_size", None) or getattr(linear, "weight_block_size", None)
+    if block is not None and tuple(block) != (128, 128):
+        raise ValueError(f"linear's weight blocks are {tuple(block)}: the layer reads 128x128 blocks only")
+    if lw.requires_grad:
+        raise ValueError("linear.weight is float8_e4m3fn codes with requires_grad=True: a pre-quantized weight has "
+                         "no high-precision master to train, so the layer computes no weight gradient; set "
+                         "weight.requires_grad_(False) (train a bf16 / fp32 weight instead)")
+    return si
+
+
 class FusedMLAQUpProjection(nn.Module):
     """q = RoPE(W_uq · RMSNorm(x)) for Multi-head Latent Attention, with MXFP8 GEMM inputs and query (SPEC §1).
 
@@ -126,6 +151,9 @@ class FusedMLAQUpProjection(nn.Module):
         if param_dtype not in _ACT_DTYPES:
             raise TypeError(f"dtype must be one of {_ACT_DTYPES} (the parameters' dtype), got {param_dtype}")
         self.weight = nn.Parameter(torch.empty(self.cfg.out_features, q_lora_rank, **factory_kwargs))
+        # a pre-quantized weight's 128x128 scale_inv (from_modules of a checkpoint's FP8 Linear): weight then holds
+        # its E4M3 codes as they are (SPEC §5)
+        self.register_parameter("weight_scale_inv", None)
         if norm is None:  # no parameter: a model's q_proj has only its weight (SPEC §7)
             self.register_parameter("norm_weight", None)
         else:
@@ -152,7 +180,7 @@ class FusedMLAQUpProjection(nn.Module):
             self.inv_freq = inv_freq.to(self.inv_freq.device)
         # a cast to a dtype the layer does not run (`.double()`) is refused here, not at the next forward
         for name, p in self._own_params():
-            if p.dtype not in _ACT_DTYPES:
+            if p.dtype not in _ACT_DTYPES and not (name == "weight" and self.weight_scale_inv is not None):
                 raise TypeError(f"FusedMLAQUpProjection parameters must be one of {_ACT_DTYPES}; the cast made "
                                 f"{name} {p.dtype}")
         return self
@@ -186,6 +214,7 @@ class FusedMLAQUpProjection(nn.Module):
             raise ValueError("linear must have a 2-D `weight` parameter [out_features, in_features]")
         if getattr(linear, "bias", None) is not None:
             raise ValueError("linear must have no bias (the MLA query up-projection has none)")
+        si = _check_fp8_weight(linear, lw, kwargs)
         nw = None
         if norm is None:
             kwargs["norm"] = None
@@ -214,9 +243,12 @@ class FusedMLAQUpProjection(nn.Module):
         if kwargs["q_head_dim"] * (num_heads // tp) != lw.shape[0]:
             raise ValueError(f"num_heads / tp * q_head_dim must equal linear out_features ({lw.shape[0]})")
         # built on the meta device: its own parameters are replaced at once, so they are never allocated
-        layer = cls(lw.shape[1], num_heads, qk_head_dim, qk_pos_emb_head_dim, device="meta", dtype=lw.dtype,
+        param_dtype = lw.dtype if si is None else (nw.dtype if nw is not None else torch.bfloat16)
+        layer = cls(lw.shape[1], num_heads, qk_head_dim, qk_pos_emb_head_dim, device="meta", dtype=param_dtype,
                     **kwargs)
         layer.weight = lw  # shared: the user's optimizer and state dict keep working
+        if si is not None:
+            layer.weight_scale_inv = si
         if nw is not None:
             layer.norm_weight = nw
         layer.inv_freq = rope_inv_freq(layer.cfg.rope_dim, layer.rope_theta, layer.rope_scaling)[0].to(lw.device)
@@ -255,13 +287,18 @@ class FusedMLAQUpProjection(nn.Module):
 
     def _prepared_weight(self, use_triton: bool) -> _backend.PreparedWeight:
         w = self.weight
+        si = self.weight_scale_inv
+        if si is not None:  # pre-quantized: its codes and scale_inv as they are
+            w = (w, si)
         if torch.compiler.is_compiling():
             # under torch.compile the weight's quantization is part of the graph, every call: a Python-side
             # cache would be baked into the graph (stale after an update) or break it
             return _backend.prepare_weight(w, self.cfg, use_triton, (), self._fused_src)
         # _version moves with in-place torch ops; _weight_epoch with torch.optim steps (fused ones included);
         # the storage pointer with re-assignment of .data or a new Parameter
-        key = (w._version, self._weight_epoch, w.data_ptr(), w.dtype, w.device, tuple(w.shape), use_triton)
+        wt = self.weight
+        key = (wt._version, self._weight_epoch, wt.data_ptr(), wt.dtype, wt.device, tuple(wt.shape), use_triton,
+               None if si is None else (si._version, si.data_ptr()))
         if self._wcache is None or self._wcache.key != key:
             self._wcache = _backend.prepare_weight(w, self.cfg, use_triton, key, self._fused_src)
         return self._wcache
@@ -338,7 +375,11 @@ class FusedMLAQUpProjection(nn.Module):
         for name, p in self._own_params():
             if p.device != x.device:
                 raise ValueError(f"x is on {x.device} but {name} is on {p.device}")
-            if p.dtype not in _ACT_DTYPES:
+            if name == "weight" and self.weight_scale_inv is not None:
+                if p.dtype != torch.float8_e4m3fn or p.requires_grad:
+                    raise TypeError("a pre-quantized weight must stay float8_e4m3fn codes without requires_grad "
+                                    f"(got {p.dtype}, requires_grad={p.requires_grad}): it has no master weight")
+            elif p.dtype not in _ACT_DTYPES:
                 raise TypeError(f"{name} dtype must be one of {_ACT_DTYPES}, got {p.dtype}")
 
     def _own_params(self) -> tuple[tuple[str, torch.Tensor], ...]:

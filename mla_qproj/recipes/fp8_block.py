@@ -40,14 +40,20 @@ class FP8Block(Recipe):
     # ---------------------------------------------------------------------------------------------- weight
 
     def prepare_weight(self, w, cfg, use_triton, key, src):
-        w = w.detach()
-        bs = cfg.block_scale
-        if not use_triton:
-            wq, ws = ref8.prepare_weight_fp8_block(w, bs)
-            return PreparedWeight(key, {"wq": wq, "ws": ws})
-        from ..kernels.fp8_block_quant import fp8_block_quantize_op
+        if isinstance(w, tuple):  # pre-quantized (a checkpoint's E4M3 codes [N, K] and 128x128 scale_inv) as it is
+            wq, ws = w[0].detach().contiguous(), w[1].detach().float().contiguous()
+            if not use_triton:
+                return PreparedWeight(key, {"wq": wq, "ws": ws})
+        else:
+            w = w.detach()
+            bs = cfg.block_scale
+            if not use_triton:
+                wq, ws = ref8.prepare_weight_fp8_block(w, bs)
+                return PreparedWeight(key, {"wq": wq, "ws": ws})
+            from ..kernels.fp8_block_quant import fp8_block_quantize_op
 
-        wq, ws = fp8_block_quantize_op(w, FP8_BLOCK, FP8_BLOCK, bs)  # [N, K] codes, [N/128, K/128] scale_inv
+            wq, ws = fp8_block_quantize_op(w, FP8_BLOCK, FP8_BLOCK, bs)  # [N, K] codes, [N/128, K/128] scale_inv
+        w = wq
         tensors = {"wq": wq, "ws": ws}
         if src is not None and not cute_gemm.serves(cfg, w.device):  # the Triton GEMM's row order, per-row scale_inv
             from ..kernels.qproj_gemm import prepare_fused_weight_fp8
