@@ -140,12 +140,9 @@ def backward(dq2d, x2d, rsigma, saved, norm_weight, pw: PreparedWeight, cos_h, s
         del g_row  # [T, N / groups]: freed before the wgrad (lower peak memory)
         if gather and g == 0:
             saved = recipe.gathered_saved(pending, par, cfg, use_triton)
-        if not need_dw:
-            pass
-        elif main_grad is not None:
-            recipe.wgrad(g_col, saved, cols, cfg, use_triton, main_grad[cols], accumulate=True)
-        else:
-            recipe.wgrad(g_col, saved, cols, cfg, use_triton, dw[cols], accumulate=False)
+        if need_dw:
+            out = main_grad[cols] if main_grad is not None else dw[cols]
+            recipe.wgrad(g_col, saved, cols, cfg, use_triton, out, accumulate=main_grad is not None)
         del g_col
     if par is not None:  # dxn holds this rank's heads' share: sum it over the group (fp32)
         dxn = reduce_scatter_rows(dxn, par) if sp else all_reduce_sum(dxn, par)

@@ -63,7 +63,10 @@ class _FusedMLAQUpProjFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool,
                 par: Parallel | None):
-        q, x2d, rsigma, saved = forward_query(x, norm_weight, cos_h, sin_h, pw, cfg, use_triton, True, par)
+        # what only the wgrad reads of xn is made and kept only when the weight takes a gradient (a frozen or
+        # pre-quantized weight: the backward skips the wgrad)
+        q, x2d, rsigma, saved = forward_query(x, norm_weight, cos_h, sin_h, pw, cfg, use_triton,
+                                              ctx.needs_input_grad[2], par)
         ctx.save_for_backward(x2d, rsigma, norm_weight, cos_h, sin_h, *saved)
         ctx.pw, ctx.cfg, ctx.use_triton, ctx.x_shape, ctx.par = pw, cfg, use_triton, x.shape, par
         ctx.weight = weight  # a parameter (no copy): used for main_grad and dtype in backward

@@ -1,11 +1,11 @@
-"""HF transformers integration: the DeepseekV3 query path through `FusedMLAQUpProjection`.
+"""HF transformers integration: the DeepseekV2 / DeepseekV3 query path through `FusedMLAQUpProjection`.
 
-`patch_deepseek_v3(model)` gives every `DeepseekV3Attention` in `model` an instance-level forward that computes
-`q_b_proj(q_a_layernorm(x))` (or, for a config without `q_lora_rank`, `q_proj(x)`: the layer without a norm) and
-the RoPE of its rope columns in one fused layer, and leaves
-everything else as the installed transformers file does it (keys, values, KV cache, mask, attention function,
-output projection). `unpatch_deepseek_v3(model)` removes it again; `fused_query_layer(attn)` returns an attention
-module's fused layer.
+`patch_deepseek(model)` (also named `patch_deepseek_v3`) gives every `DeepseekV3Attention` and
+`DeepseekV2Attention` in `model` an instance-level forward that computes `q_b_proj(q_a_layernorm(x))` (or, for a
+config without `q_lora_rank`, `q_proj(x)`: the layer without a norm) and the RoPE of its rope columns in one fused
+layer, and leaves everything else as the installed transformers file does it (keys, values, KV cache, mask,
+attention function, output projection). `unpatch_deepseek(model)` removes it again; `fused_query_layer(attn)`
+returns an attention module's fused layer.
 
 The fused layer is built with `FusedMLAQUpProjection.from_modules`, so its `weight` / `norm_weight` ARE
 `q_b_proj.weight` / `q_a_layernorm.weight` (`q_proj.weight` alone without q_lora_rank; no copies). It lives in the

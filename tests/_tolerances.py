@@ -88,10 +88,11 @@ def code_match_fraction(a: torch.Tensor, b: torch.Tensor, min_frac: float | None
             da, db = (t.detach().cpu().double().reshape(r, c) for t in dense)
             tile_err = _per_tile_sum((da - db).pow(2)).sqrt() / _per_tile_sum(db.pow(2)).sqrt().clamp_min(1e-300)
             over &= ~(tile_err <= REL_ERR_TILE_REQUANT)
-        worst = int(torch.where(over, per_tile, 0).max()) if over.any() else 0
-        assert not over.any(), (f"{label}: a {TILE}x{TILE} tile has {worst} differing codes (at most {allowed}"
-                                f"{', decoded values off by more than REL_ERR_TILE_REQUANT' if dense else ''}), "
-                                f"at tile {divmod(int(torch.where(over, per_tile, -1).argmax()), per_tile.shape[1])}")
+        if over.any():
+            bad = torch.where(over, per_tile, -1)
+            raise AssertionError(f"{label}: a {TILE}x{TILE} tile has {int(bad.max())} differing codes (at most "
+                                 f"{allowed}{', decoded values off by more than REL_ERR_TILE_REQUANT' if dense else ''}"
+                                 f"), at tile {divmod(int(bad.argmax()), per_tile.shape[1])}")
     return 1.0 - diff.float().mean().item()
 
 

@@ -114,10 +114,11 @@ def _hf_query_bf16_inputs(attn, h, cos, sin, interleave: bool) -> torch.Tensor:
     return torch.cat([q_pass, q_rot], dim=-1).bfloat16().float()
 
 
-def _grad(model, ids, g):
+def _grad(model, ids, g, keys=("q_a_", "q_b_")):
+    """The query path's weight gradients (parameter names containing one of keys) of sum(logits * g)."""
     model.zero_grad(set_to_none=True)
     (model(ids).logits * g).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if "q_a_" in n or "q_b_" in n}
+    return {n: p.grad.clone() for n, p in model.named_parameters() if any(k in n for k in keys)}
 
 
 # ------------------------------------------------------------------------------------------- the query
@@ -470,11 +471,7 @@ def test_no_q_lora_rank_gets_the_norm_free_layer(impl):
     assert list(model.state_dict()) == keys
     assert_rel_err(model(ids).logits, ref, REL_ERR_BF16, f"logits {impl}")
     g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
-    for m in (model, twin):
-        m.zero_grad(set_to_none=True)
-        (m(ids).logits * g).sum().backward()
-    got = {n: p.grad for n, p in model.named_parameters() if "q_proj" in n}
-    want = {n: p.grad for n, p in twin.named_parameters() if "q_proj" in n}
+    got, want = _grad(model, ids, g, ("q_proj",)), _grad(twin, ids, g, ("q_proj",))
     assert sorted(got) == sorted(want) and len(got) == 2
     for n in want:
         assert_rel_err(got[n], want[n], REL_ERR_BF16, f"grad {n}")
@@ -571,15 +568,11 @@ def test_deepseek_v2(q_lora_rank, impl):
     assert list(model.state_dict()) == keys
     assert_rel_err(model(ids).logits, ref, REL_ERR_BF16, f"logits {impl}")
     g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
-    names = ("q_proj",) if q_lora_rank is None else ("q_a_", "q_b_")
-    grads = []
-    for m in (model, twin):
-        m.zero_grad(set_to_none=True)
-        (m(ids).logits * g).sum().backward()
-        grads.append({n: p.grad for n, p in m.named_parameters() if any(k in n for k in names)})
-    assert sorted(grads[0]) == sorted(grads[1]) and len(grads[0]) == 2 * (1 if q_lora_rank is None else 3)
-    for n in grads[1]:
-        assert_rel_err(grads[0][n], grads[1][n], REL_ERR_BF16, f"grad {n}")
+    keys = ("q_proj",) if q_lora_rank is None else ("q_a_", "q_b_")
+    got, want = _grad(model, ids, g, keys), _grad(twin, ids, g, keys)
+    assert sorted(got) == sorted(want) and len(got) == 2 * (1 if q_lora_rank is None else 3)
+    for n in want:
+        assert_rel_err(got[n], want[n], REL_ERR_BF16, f"grad {n}")
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)

@@ -7,7 +7,6 @@ L2 the second time). Custom op `mla_qproj::rmsnorm_quant_fwd`."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +164,6 @@ def rmsnorm_quant_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, eps: 
     if norm_weight is None:  # rsigma and gamma are 1: the tiled form, which reads rsigma
         rsigma.fill_(1.0)
         norm_weight, zero_centered_gamma, split = torch.ones(K, device=x2d.device, dtype=x2d.dtype), False, True
-        conf = dataclasses.replace(conf, SPLIT=True)
     elif split:
         _rsigma_kernel[(cdiv(T, conf.RS_ROWS),)](x_ptr=x2d, stride_x=x2d.stride(0), rsigma_ptr=rsigma, T=T, eps=eps,
                                                  K=K, ROWS=conf.RS_ROWS, BLOCK_K=conf.RS_BLOCK_K, EMULATED=emulated,
