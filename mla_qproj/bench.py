@@ -175,12 +175,12 @@ class BlockFp8Linear(torch.autograd.Function):
     """y = xn · Wᵀ with every GEMM operand block-FP8, as TransformerEngine's Float8BlockScaling runs it on Hopper:
     1x128 blocks along each GEMM's K for xn and dy, W in 128x128 blocks, cuBLAS's blockwise GEMMs, bf16 results. The
     wgrad GEMM takes xn's transposed copy in 128x128 blocks (TE: 1x128 along T), as torch._scaled_mm on sm_90 (torch
-    2.11, CUDA 13) rejects 1x128 x 128x1 operands. q: the compiled 1x128 quantizer."""
+    2.11, CUDA 13) rejects 1x128 x 128x1 operands. q, q_tile: the compiled 1x128 and 128x128 quantizers."""
 
     @staticmethod
-    def forward(ctx, xn, w, wq, ws, wq_t, q):
+    def forward(ctx, xn, w, wq, ws, wq_t, q, q_tile):
         a, sa = q(xn)  # [T, K], 1x128 along K
-        a_t, ga_t = quantize_blocks_pow2(xn.t().float(), 128, 128)  # [K, T] codes, [K/128, T/128]: wgrad's operand
+        a_t, ga_t = q_tile(xn.t())  # [K, T] codes, [K/128, T/128]: wgrad's operand
         ctx.save_for_backward(a_t, ga_t, wq_t, ws)
         ctx.q = q
         return blockwise_gemm(a, sa, wq, ws)
@@ -194,7 +194,7 @@ class BlockFp8Linear(torch.autograd.Function):
         d_t, sd_t = ctx.q(dy.t())  # [N, T], 1x128 along T
         dw = torch._scaled_mm(d_t, a_t.t(), scale_a=sd_t.t().contiguous().t(), scale_b=ga_t.t(),
                               out_dtype=torch.bfloat16)
-        return dxn, dw, None, None, None, None
+        return dxn, dw, None, None, None, None, None
 
 
 def _rope_bf16(y: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor) -> torch.Tensor:
@@ -229,6 +229,7 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
     c_rope = torch.compile(rope_in_place, dynamic=False, mode=compile_mode)
     c_norm = torch.compile(_rmsnorm_fp32, dynamic=False, mode=compile_mode)
     c_q = torch.compile(lambda t: quantize_blocks_pow2(t.float(), 1, 128), dynamic=False, mode=compile_mode)
+    c_q_tile = torch.compile(lambda t: quantize_blocks_pow2(t.float(), 128, 128), dynamic=False, mode=compile_mode)
     c_rope_ad = torch.compile(_rope_bf16, dynamic=False, mode=compile_mode)
 
     def layer_of(variant: str):
@@ -323,7 +324,7 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         wq_t = c["wq"].t().contiguous()  # [K, N]: dgrad's operand, W's codes transposed (the 128x128 grid is too)
 
         def fn():
-            y = BlockFp8Linear.apply(c_norm(xr, gr), wr, c["wq"], c["ws"], wq_t, c_q)
+            y = BlockFp8Linear.apply(c_norm(xr, gr), wr, c["wq"], c["ws"], wq_t, c_q, c_q_tile)
             c_rope_ad(y.view(T, H, D), c["cos_h"], c["sin_h"]).backward(c["dy"])
 
         return fn, [xr, gr, wr]
