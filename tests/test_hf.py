@@ -278,16 +278,11 @@ def test_backward_fp8_block():
     """fp8_block gradients of the patched model: the interpreter's (backend="auto") within the same-quantization
     bound of the PyTorch reference's. Then an optimizer step on the shared weights: each patched model's logits are
     those of a freshly patched copy of its stepped weights (a stale cached 128x128-tile weight would not be)."""
-    model = _model(seed=3, q_lora_rank=FP8_BLOCK_RANK).train()
-    twin = copy.deepcopy(model)
-    ids = _ids(seed=4)
-    g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
+    model, twin, ids, g = _training_pair(q_lora_rank=FP8_BLOCK_RANK)
     patch_deepseek_v3(model, precision="fp8_block")
     patch_deepseek_v3(twin, precision="fp8_block", backend="torch")
     got, ref = _grad(model, ids, g), _grad(twin, ids, g)
-    assert sorted(got) == sorted(ref) and len(got) == 6
-    for name in ref:
-        assert_rel_err(got[name], ref[name], REL_ERR_SAME_QUANT, f"grad {name} (interpreter vs reference)")
+    _assert_grads_close(got, ref, 6, REL_ERR_SAME_QUANT, " (interpreter vs reference)")
     with torch.no_grad():
         before = model(ids).logits
     for m in (model, twin):
@@ -302,6 +297,19 @@ def test_backward_fp8_block():
             assert rel_err(after, before) > 5 * REL_ERR_FP8_BLOCK, "the step is too small to show a stale weight"
 
 
+def _assert_grads_close(got: dict, want: dict, count: int, bound: float, what: str = "") -> None:
+    """The same `count` parameters have gradients on both sides, each within bound."""
+    assert sorted(got) == sorted(want) and len(got) == count, (sorted(got), sorted(want))
+    for name in want:
+        assert_rel_err(got[name], want[name], bound, f"grad {name}{what}")
+
+
+def _training_pair(**overrides):
+    """A model in train mode, its copy, token ids and an upstream gradient for the logits."""
+    model = _model(seed=3, **overrides).train()
+    return model, copy.deepcopy(model), _ids(seed=4), torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
+
+
 def _step_query_weights(m) -> None:
     """One SGD step on the query path's weights (q_b_proj, q_a_layernorm) that moves each by 20 % of its norm."""
     params = [p for n, p in m.named_parameters() if "q_b_" in n or "q_a_layernorm" in n]
@@ -312,16 +320,11 @@ def _step_query_weights(m) -> None:
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_backward_matches(backend):
     """Gradients of q_a_proj / q_a_layernorm / q_b_proj weights through the patched model vs unpatched."""
-    model = _model(seed=3).train()
-    twin = copy.deepcopy(model)
-    ids = _ids(seed=4)
-    g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
+    model, twin, ids, g = _training_pair()
     ref = _grad(twin, ids, g)
     patch_deepseek_v3(model, backend=backend)
     got = _grad(model, ids, g)
-    assert sorted(got) == sorted(ref) and len(got) == 6  # 3 weights x 2 layers
-    for name in ref:
-        assert_rel_err(got[name], ref[name], REL_ERR_BF16, f"grad {name}")
+    _assert_grads_close(got, ref, 6, REL_ERR_BF16)  # 3 weights x 2 layers
     # one optimizer step on the shared weights (the fused layer's cached quantized W must follow), with a
     # learning rate that moves every weight by 20 % of its norm
     with torch.no_grad():
@@ -472,9 +475,7 @@ def test_no_q_lora_rank_gets_the_norm_free_layer(impl):
     assert_rel_err(model(ids).logits, ref, REL_ERR_BF16, f"logits {impl}")
     g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
     got, want = _grad(model, ids, g, ("q_proj",)), _grad(twin, ids, g, ("q_proj",))
-    assert sorted(got) == sorted(want) and len(got) == 2
-    for n in want:
-        assert_rel_err(got[n], want[n], REL_ERR_BF16, f"grad {n}")
+    _assert_grads_close(got, want, 2, REL_ERR_BF16)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
     assert out.shape == (2, 11)
     unpatch_deepseek_v3(model)
@@ -570,9 +571,7 @@ def test_deepseek_v2(q_lora_rank, impl):
     g = torch.randn(2, 8, 96, generator=torch.Generator().manual_seed(5))
     keys = ("q_proj",) if q_lora_rank is None else ("q_a_", "q_b_")
     got, want = _grad(model, ids, g, keys), _grad(twin, ids, g, keys)
-    assert sorted(got) == sorted(want) and len(got) == 2 * (1 if q_lora_rank is None else 3)
-    for n in want:
-        assert_rel_err(got[n], want[n], REL_ERR_BF16, f"grad {n}")
+    _assert_grads_close(got, want, 2 * (1 if q_lora_rank is None else 3), REL_ERR_BF16)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
