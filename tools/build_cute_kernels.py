@@ -5,9 +5,10 @@
 For each geometry (default: DeepSeek-V3's query, 1536,128,128,64,192,deepseek): compile the fp8_block forward kernel
 (T symbolic), print registers, stack and instruction counts of its SASS (QGMMA, TMA loads and stores, register
 reallocation, local-memory loads and stores: any LDL / STL is a spill; LOOP_LDL_STL counts those in the main loop,
-between the first WGMMA and the last wait on one, where they would cost every K block). With --out, export each kernel as a shared
-object `<key>.so` (the file `mla_qproj.kernels.cute.fp8_gemm` loads from `MLA_QPROJ_CUTE_KERNELS=DIR`) and copy the
-CuTe DSL runtime library beside them, so that a machine with only `apache-tvm-ffi` installed can run them.
+between the first WGMMA and the last wait on one, where they would cost every K block). With --out, export each
+kernel as a shared object `<key>.so` (the file `mla_qproj.kernels.cute.fp8_gemm` loads from
+`MLA_QPROJ_CUTE_KERNELS=DIR`) and copy the CuTe DSL runtime library beside them, so that a machine with only
+`apache-tvm-ffi` installed can run them.
 
 Needs `nvidia-cutlass-dsl`, `apache-tvm-ffi` and (for the SASS) `nvidia-cuda-cuobjdump`; --out also needs a C
 compiler (`c++`) to link the shared objects.

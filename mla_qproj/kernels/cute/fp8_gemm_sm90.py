@@ -2,27 +2,32 @@
 
 # %% Design
 A warp-specialized persistent kernel of three warpgroups per CTA:
-- a producer warp (warpgroup 0, its other warps idle with 40 registers) streams the E4M3 codes of A [T, K] (xn's
+- a producer warp (warpgroup 0, its other warps idle with 24 registers) streams the E4M3 codes of A [T, K] (xn's
   1x128 blocks along K) and of W [N, K] (128x128 tiles, nn.Linear row order) into a ring of shared-memory stages with
   TMA, one 128-wide K block per stage;
 - two consumer warpgroups (240 registers each) share one [128, D] output tile, 64 rows each: per K block the four
   FP8 WGMMAs (m64nDk32) accumulate the block's product in the tensor core, then it is promoted into the fp32
-  accumulator with the block's scales, acc = fma(block, sa[row] · sw[tile], acc) (DeepSeek-V3's recipe). The two
-  warpgroups drift apart, so one promotes while the other's WGMMAs run.
+  accumulator with the block's scales, acc = fma(block, sa[row] · sw[tile], acc) (DeepSeek-V3's recipe).
+
+Nothing in the main loop waits on global memory: while a block's WGMMAs run, the warpgroup reads the next block's two
+A scales (per thread, one block ahead) and takes W's scales from shared memory, where the consumers put the tile's
+(span x K/128 values) during the tile before; each warpgroup's 64 rows of cos and sin arrive in shared memory by TMA
+while its main loop runs (one mbarrier per warpgroup, one phase per tile).
 
 One output tile is one head: D = q_head_dim columns of W in their own order, so every RoPE pair of the head lies in
 the tile, and in one thread's registers (the WGMMA accumulator gives each thread columns 8j + 2q + {0, 1} of its rows
 for every j): deepseek and gptj pair adjacent columns (2i, 2i + 1); neox pairs i and i + R/2 (R/2 % 8 == 0). W's
 128x128 scale tiles are not aligned with heads: each 8-column group of the tile takes the scale of the W block it
-lies in (a head spans at most three blocks). The promotion is the main loop's ALU work, and what limits it: it is
-compiled once per head phase (the head's first column (n·D) % 128 into its W block: 0 and 64 for D = 192), where
-each group's W block is a constant and the sa·sw products are formed once per W block, so that a K block costs one
-FMA per accumulator element and a few multiplies (a run-time select per group instead made the kernel 30 % slower).
+lies in (a head spans at most three blocks). The promotion is the main loop's ALU work: it is compiled once per head
+phase (the head's first column (n·D) % 128 into its W block: 0 and 64 for D = 192), where each group's W block is a
+constant and the sa·sw products are formed once per W block, so that a K block costs one FMA per accumulator element
+and a few multiplies (a run-time select per group instead made the kernel 30 % slower).
 
 Epilogue, per consumer warpgroup: the rotation a' = a·c - b·s, b' = b·c + a·s on the fp32 accumulator (products
 rounded separately, as the reference computes them), one rounding to bf16, written to the warpgroup's own
-shared-memory tile at the output column (deepseek moves a' to P + i and b' to P + R/2 + i), then one TMA store of
-the [64, D] box (rows past T are clipped by TMA). The warpgroups never wait for each other outside the K-block ring.
+shared-memory tile at the output column (deepseek moves a' to P + i and b' to P + R/2 + i), then a TMA store, in two
+[64, D/2] halves through one buffer (the room the RoPE tables take). Rows past T are clipped by TMA. The warpgroups
+never wait for each other outside the K-block ring.
 
 The kernel is compiled per geometry (K, H, D, P, R, RoPE style) with T symbolic: one binary serves every T.
 """
@@ -35,10 +40,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..._constants import FP8_BLOCK
 
@@ -51,7 +56,8 @@ SMEM_BYTES = 227 * 1024  # sm_90 shared memory per block (opt-in maximum)
 def _mul_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
     """a·b rounded to fp32 on its own (mul.rn is never contracted into an fma)."""
     return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type, [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
+        cutlass.Float32.mlir_type,
+        [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
         "mul.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT))
 
@@ -98,6 +104,10 @@ class Fp8BlockRopeGemmSm90:
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
         self.cluster_m = cluster_m
+        # the epilogue tile of a consumer warpgroup: [64, D/2] written and stored twice (shared memory for the RoPE
+        # tables' rows, which arrive by TMA during the main loop), or [64, D] where D/2 is not a multiple of 8
+        self.epi_halves = D % 16 == 0
+        self.epi_w = D // 2 if self.epi_halves else D
         self.w_blocks = -(-self.N // BLOCK)  # rows of W's 128x128 scale grid
         self.span = (BLOCK - 8 + D + BLOCK - 1) // BLOCK  # W blocks one head can touch (at most)
         self.threads = 3 * 128
@@ -106,7 +116,11 @@ class Fp8BlockRopeGemmSm90:
         self.y_dtype = cutlass.BFloat16
         a_stage_bytes = self.bm * self.bk
         b_stage_bytes = self.bn * self.bk
-        epi_bytes = 2 * ROWS_PER_WG * self.bn * 2
+        epi_bytes = 2 * ROWS_PER_WG * self.epi_w * 2
+        # W's scales of one tile (span blocks x K blocks), staged in shared memory one tile ahead
+        self.n_sw = self.span * self.k_tiles
+        self.sw_per_thread = -(-self.n_sw // 128)
+        epi_bytes += 2 * 2 * ROWS_PER_WG * self.RH * 4 + 1024 + 2 * 2 * self.n_sw * 4 + 64
         self.stages = min(8, (SMEM_BYTES - epi_bytes - 2048) // (a_stage_bytes + b_stage_bytes))
         if self.stages < 2:
             raise ValueError(f"q_head_dim {D} leaves fewer than two pipeline stages")
@@ -126,7 +140,8 @@ class Fp8BlockRopeGemmSm90:
         tile_mnk = (self.bm, self.bn, self.bk)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.b_dtype, self.stages)
-        y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.bn), 2)
+        y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.epi_w),
+                                                 2)
 
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(a_smem, (None, None, 0)), (self.bm, self.bk))
@@ -134,7 +149,14 @@ class Fp8BlockRopeGemmSm90:
         tma_b, tB = cpasync.make_tiled_tma_atom(b_op, mB, cute.slice_(b_smem, (None, None, 0)), (self.bn, self.bk),
                                                 num_multicast=self.cluster_m)
         tma_y, tY = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mY,
-                                                cute.slice_(y_smem, (None, None, 0)), (ROWS_PER_WG, self.bn))
+                                                cute.slice_(y_smem, (None, None, 0)), (ROWS_PER_WG, self.epi_w))
+        # the RoPE tables' rows of a warpgroup: [64, R/2] fp32 boxes, (cos, sin) x (warpgroup 0, 1)
+        tab_smem = sm90_utils.make_smem_layout_epi(cutlass.Float32, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.RH),
+                                                   4)
+        tma_cos, tCos = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mCos,
+                                                    cute.slice_(tab_smem, (None, None, 0)), (ROWS_PER_WG, self.RH))
+        tma_sin, tSin = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mSin,
+                                                    cute.slice_(tab_smem, (None, None, 0)), (ROWS_PER_WG, self.RH))
 
         T = mA.shape[0]
         num_m = (T + self.bm - 1) // self.bm
@@ -149,19 +171,24 @@ class Fp8BlockRopeGemmSm90:
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
             sY: cute.struct.Align[cute.struct.MemRange[self.y_dtype, cute.cosize(y_smem)], 1024]
+            tab_bars: cute.struct.MemRange[cutlass.Int64, 2]
+            sTab: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(tab_smem)], 1024]
+            sSW: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * self.n_sw], 16]
 
         self.storage = Storage
-        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, mSA, mSW, mCos, mSin, a_smem, b_smem, y_smem,
-                    sched).launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1),
-                                  min_blocks_per_mp=1, stream=stream)
+        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, tma_cos, tCos, tma_sin, tSin, mSA, mSW,
+                    a_smem, b_smem, y_smem, tab_smem, sched).launch(
+            grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
-               mB: cute.Tensor, tma_y: cute.CopyAtom, mY: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor,
-               mCos: cute.Tensor, mSin: cute.Tensor, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               y_smem: cute.ComposedLayout, sched: utils.PersistentTileSchedulerParams):
+               mB: cute.Tensor, tma_y: cute.CopyAtom, mY: cute.Tensor, tma_cos: cute.CopyAtom, mCosT: cute.Tensor,
+               tma_sin: cute.CopyAtom, mSinT: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor,
+               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+               y_smem: cute.ComposedLayout, tab_smem: cute.ComposedLayout,
+               sched: utils.PersistentTileSchedulerParams):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -169,6 +196,8 @@ class Fp8BlockRopeGemmSm90:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_y)
+            cpasync.prefetch_descriptor(tma_cos)
+            cpasync.prefetch_descriptor(tma_sin)
 
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(self.storage)
@@ -183,15 +212,21 @@ class Fp8BlockRopeGemmSm90:
             # a stage is free when the consumer warps of every CTA it was multicast to released it
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4 * cm),
             tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)), defer_sync=True)
+        if tidx == 0:  # one barrier per consumer warpgroup: its rows of the RoPE tables have landed
+            cute.arch.mbarrier_init(st.tab_bars.data_ptr(), 1)
+            cute.arch.mbarrier_init(st.tab_bars.data_ptr() + 1, 1)
+        cute.arch.mbarrier_init_fence()
         pipeline_init_arrive(cluster_shape_mn=(cm, 1), is_relaxed=True)
 
         sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sY = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner)
+        sTab = st.sTab.get_tensor(tab_smem.outer, swizzle=tab_smem.inner)  # (64, R/2, table·2 + warpgroup)
+        sSW = st.sSW.get_tensor(cute.make_layout((self.n_sw, 2, 2)))  # (span·K blocks, buffer, warpgroup)
 
         gA = cute.local_tile(mA, (self.bm, self.bk), (None, None))  # (bm, bk, m, k)
         gB = cute.local_tile(mB, (self.bn, self.bk), (None, None))  # (bn, bk, n, k)
-        gY = cute.local_tile(mY, (ROWS_PER_WG, self.bn), (None, None))  # (64, bn, m64, n)
+        gY = cute.local_tile(mY, (ROWS_PER_WG, self.epi_w), (None, None))  # (64, epi_w, m64, n·D/epi_w)
         tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                                            cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cpasync.tma_partition(tma_b, rank, cute.make_layout(cm), cute.group_modes(sB, 0, 2),
@@ -246,20 +281,47 @@ class Fp8BlockRopeGemmSm90:
             tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
             work = tiles.initial_work_tile_info()
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            # the next tile: its W scales are read from global memory while this one runs
+            ahead = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
+            ahead.advance_to_next_work()
+            tab_bar = st.tab_bars.data_ptr() + c
+            tTsC, tTgC = cpasync.tma_partition(tma_cos, 0, cute.make_layout(1), cute.group_modes(sTab, 0, 2),
+                                               cute.group_modes(cute.local_tile(mCosT, (ROWS_PER_WG, self.RH),
+                                                                                (None, 0)), 0, 2))
+            tTsS, tTgS = cpasync.tma_partition(tma_sin, 0, cute.make_layout(1), cute.group_modes(sTab, 0, 2),
+                                               cute.group_modes(cute.local_tile(mSinT, (ROWS_PER_WG, self.RH),
+                                                                                (None, 0)), 0, 2))
+            sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
+            t128 = ct % 128
+            if work.is_valid_tile:  # the first tile's W scales
+                self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
+                self._store_sw(sw_next, sSW, 0, c, t128)
+            store_bar.arrive_and_wait()
+            tcount = cutlass.Int32(0)
             while work.is_valid_tile:
                 m, n = work.tile_idx[0], work.tile_idx[1]
+                buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
+                if w_in_wg == 0:  # this warpgroup's 64 rows of cos and sin, in flight during the main loop
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(tab_bar, 2 * ROWS_PER_WG * self.RH * 4)
+                    cute.copy(tma_cos, tTgC[(None, 2 * m + c)], tTsC[(None, c)], tma_bar_ptr=tab_bar)
+                    cute.copy(tma_sin, tTgS[(None, 2 * m + c)], tTsS[(None, 2 + c)],
+                              tma_bar_ptr=tab_bar)  # a warp-wide call: the TMA copy elects its own thread
+                nwork = ahead.get_current_work()
+                if nwork.is_valid_tile:
+                    self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
                 r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
                 r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
                 col0 = n * self.D  # first column of the head in W / y
                 b0 = col0 // BLOCK
                 acc.fill(0.0)
-                # the scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
-                nxt = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
+                # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
+                nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
                 cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
                 tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
-                self._load_scales(nxt, mSA, mSW, 0, r0, r1, b0)
+                nxt[0] = mSA[(0, r0)]
+                nxt[1] = mSA[(0, r1)]
                 for k in cutlass.range(self.k_tiles, unroll=1):
-                    self._next_scales(cur, nxt, tab, mSA, mSW, mCos, mSin, k, r0, r1, b0, q)
                     ring.consumer_wait(state)
                     for part in cutlass.range_constexpr(self.parts):
                         warpgroup.fence()  # the K block's WGMMAs into blk, zeroed by the first, as one group
@@ -269,6 +331,9 @@ class Fp8BlockRopeGemmSm90:
                                       tCrB[part][(None, None, kb, state.index)], blk)
                             tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                         warpgroup.commit_group()
+                        if cutlass.const_expr(part == 0):
+                            # the scale bookkeeping (address math, the next block's loads) while the WGMMAs run
+                            self._next_scales(cur, nxt, mSA, sSW, k, r0, r1, buf, c)
                         warpgroup.wait_group(0)
                         if cutlass.const_expr(part == self.parts - 1):
                             ring.consumer_release(state)
@@ -276,17 +341,25 @@ class Fp8BlockRopeGemmSm90:
                     state.advance()
 
                 # -------------------------------------------------------------------------------- epilogue
-                if ct % 128 == 0:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store has read sY
-                store_bar.arrive_and_wait()
-                self._rope_store(acc, sYc, tab, row_lo - ROWS_PER_WG * c, q)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                store_bar.arrive_and_wait()
-                if ct % 128 == 0:
-                    cute.copy(tma_y, tYsY[(None, c)], tYgY[(None, 2 * m + c, n)])
-                    cute.arch.cp_async_bulk_commit_group()
+                self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
+                cute.arch.mbarrier_wait(tab_bar, buf)
+                self._read_tables(tab, sTab, row_lo - ROWS_PER_WG * c, q, c)
+                halves = 2 if self.epi_halves else 1
+                for h in cutlass.range_constexpr(halves):
+                    if ct % 128 == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous store has read sY
+                    store_bar.arrive_and_wait()
+                    self._rope_store(acc, sYc, tab, row_lo - ROWS_PER_WG * c, q, h * self.epi_w)
+                    # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    store_bar.arrive_and_wait()
+                    if ct % 128 == 0:
+                        cute.copy(tma_y, tYsY[(None, c)], tYgY[(None, 2 * m + c, halves * n + h)])
+                        cute.arch.cp_async_bulk_commit_group()
                 tiles.advance_to_next_work()
                 work = tiles.get_current_work()
+                ahead.advance_to_next_work()
+                tcount += 1
             if ct % 128 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
 
@@ -294,31 +367,50 @@ class Fp8BlockRopeGemmSm90:
     # 8j + 2q + c2 of the warpgroup's 64 x D tile, q = lane % 4 (PTX ISA, wgmma D fragment layout).
 
     @cute.jit
-    def _next_scales(self, cur: cute.Tensor, nxt: cute.Tensor, tab, mSA: cute.Tensor,
-                     mSW: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, k: cutlass.Int32, r0: cutlass.Int32,
-                     r1: cutlass.Int32, b0: cutlass.Int32, q: cutlass.Int32):
-        """cur = K block k's scales (read one block ahead into nxt); then nxt = block k + 1's, and for the last block
-        the epilogue's RoPE tables into tab (None: the caller reads them later)."""
-        for i in cutlass.range_constexpr(2 + self.span):
-            cur[i] = nxt[i]
+    def _next_scales(self, cur: cute.Tensor, nxt: cute.Tensor, mSA: cute.Tensor, sSW: cute.Tensor,
+                     k: cutlass.Int32, r0: cutlass.Int32, r1: cutlass.Int32, buf: cutlass.Int32, c: cutlass.Int32):
+        """cur = K block k's scales (sa[row0], sa[row1], sw[b0 .. b0 + span)): A's read one block ahead into nxt, W's
+        from shared memory; then nxt = block k + 1's A scales."""
+        cur[0] = nxt[0]
+        cur[1] = nxt[1]
+        for j in cutlass.range_constexpr(self.span):
+            cur[2 + j] = sSW[(j * self.k_tiles + k, buf, c)]
         if k + 1 < self.k_tiles:
-            self._load_scales(nxt, mSA, mSW, k + 1, r0, r1, b0)
-        elif cutlass.const_expr(tab is not None):
-            self._load_tables(tab, mCos, mSin, r0, r1, q)
+            nxt[0] = mSA[(k + 1, r0)]
+            nxt[1] = mSA[(k + 1, r1)]
 
     @cute.jit
-    def _load_scales(self, dst: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, k: cutlass.Int32,
-                     r0: cutlass.Int32, r1: cutlass.Int32, b0: cutlass.Int32):
-        """dst = (sa[row0], sa[row1], sw[b0 .. b0 + span)) of K block k."""
-        dst[0] = mSA[(k, r0)]
-        dst[1] = mSA[(k, r1)]
-        for j in cutlass.range_constexpr(self.span):
-            dst[2 + j] = mSW[(cutlass.min(b0 + j, self.w_blocks - 1), k)]
+    def _load_sw(self, dst: cute.Tensor, mSW: cute.Tensor, n: cutlass.Int32, t: cutlass.Int32):
+        """dst = this thread's share of head n's W scales, element e = j·(K/128) + k: sw[b0 + j, k]."""
+        b0 = n * self.D // BLOCK
+        for u in cutlass.range_constexpr(self.sw_per_thread):
+            e = t + 128 * u
+            if e < self.n_sw:
+                dst[u] = mSW[(cutlass.min(b0 + e // self.k_tiles, self.w_blocks - 1), e % self.k_tiles)]
+
+    @cute.jit
+    def _store_sw(self, src: cute.Tensor, sSW: cute.Tensor, buf, c: cutlass.Int32, t: cutlass.Int32):
+        for u in cutlass.range_constexpr(self.sw_per_thread):
+            e = t + 128 * u
+            if e < self.n_sw:
+                sSW[(e, buf, c)] = src[u]
+
+    @cute.jit
+    def _read_tables(self, tab: cute.Tensor, sTab: cute.Tensor, lrow: cutlass.Int32, q: cutlass.Int32,
+                     c: cutlass.Int32):
+        """tab = this thread's cos then sin values (rows r0 then r1, R/8 pairs per row) from the warpgroup's rows of
+        the tables in shared memory."""
+        n = self.R // 8
+        for r2 in cutlass.range_constexpr(2):
+            for t in cutlass.range_constexpr(n):
+                i = self._pair(t, q)
+                tab[r2 * n + t] = sTab[(lrow + 8 * r2, i, c)]
+                tab[2 * n + r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 + c)]
 
     @cute.jit
     def _promote(self, acc: cute.Tensor, blk: cute.Tensor, sc: cute.Tensor, off: cutlass.Int32,
                  part: cutlass.Constexpr):
-        """acc[part] += blk · sa[row] · sw[W block of the column] (one fma per element; sc from `_load_scales`): the
+        """acc[part] += blk · sa[row] · sw[W block of the column] (one fma per element; sc from `_next_scales`): the
         code of the head's phase (its first column `off` into its first W block), where every column group's W block
         is known, if the geometry has few phases; else one select per group."""
         if cutlass.const_expr(self.phases is not None):
@@ -372,48 +464,43 @@ class Fp8BlockRopeGemmSm90:
         return 4 * t + q
 
     @cute.jit
-    def _load_tables(self, tab: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, r0: cutlass.Int32,
-                     r1: cutlass.Int32, q: cutlass.Int32):
-        n = self.R // 8
-        for r2 in cutlass.range_constexpr(2):
-            t_row = r0 if r2 == 0 else r1
-            for t in cutlass.range_constexpr(n):
-                i = self._pair(t, q)
-                tab[r2 * n + t] = mCos[(t_row, i)]
-                tab[2 * n + r2 * n + t] = mSin[(t_row, i)]
-
-    @cute.jit
     def _rope_store(self, acc: cute.Tensor, sY: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
-                    q: cutlass.Int32):
-        """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, D] tile at the output columns."""
+                    q: cutlass.Int32, lo: cutlass.Constexpr = 0):
+        """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, epi_w] tile: the output columns [lo, lo + epi_w)
+        of the head (a store's column group, 4 or 8 wide and aligned, lies on one side of the window's edges)."""
         P, RH, n = self.P, self.RH, self.R // 8
+        hi = lo + self.epi_w
+
+        def put(row, base: int, off, v):  # output column base + off (off < the group's width)
+            if cutlass.const_expr(lo <= base < hi):
+                sY[(row, base - lo + off)] = v.to(self.y_dtype)
+
         for j in cutlass.range_constexpr(self.D // 8):
             col = 8 * j  # + 2q + c2
             for r2 in cutlass.range_constexpr(2):
                 row = lrow + 8 * r2
                 i0 = 4 * j + 2 * r2
                 if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
-                    sY[(row, col + 2 * q)] = acc[i0].to(self.y_dtype)
-                    sY[(row, col + 2 * q + 1)] = acc[i0 + 1].to(self.y_dtype)
+                    put(row, col, 2 * q, acc[i0])
+                    put(row, col, 2 * q + 1, acc[i0 + 1])
                 elif cutlass.const_expr(self.style != "neox"):  # pair (2i, 2i + 1) in this thread's two columns
                     t = (col - P) // 8
-                    i = (col - P) // 2 + q
+                    i = (col - P) // 2  # + q
                     cs, sn = tab[r2 * n + t], tab[2 * n + r2 * n + t]
                     a, b = acc[i0], acc[i0 + 1]
                     ra = _mul_rn(a, cs) - _mul_rn(b, sn)
                     rb = _mul_rn(b, cs) + _mul_rn(a, sn)
                     if cutlass.const_expr(self.style == "deepseek"):
-                        sY[(row, P + i)] = ra.to(self.y_dtype)
-                        sY[(row, P + RH + i)] = rb.to(self.y_dtype)
+                        put(row, P + i, q, ra)
+                        put(row, P + RH + i, q, rb)
                     else:
-                        sY[(row, col + 2 * q)] = ra.to(self.y_dtype)
-                        sY[(row, col + 2 * q + 1)] = rb.to(self.y_dtype)
+                        put(row, col, 2 * q, ra)
+                        put(row, col, 2 * q + 1, rb)
                 elif cutlass.const_expr(col < P + RH):  # neox: pair (i, i + R/2), partner R/16 column groups on
                     for c2 in cutlass.range_constexpr(2):
                         t = 2 * ((col - P) // 8) + c2
-                        i = col - P + 2 * q + c2
                         cs, sn = tab[r2 * n + t], tab[2 * n + r2 * n + t]
                         a = acc[i0 + c2]
                         b = acc[i0 + c2 + 4 * (RH // 8)]
-                        sY[(row, P + i)] = (_mul_rn(a, cs) - _mul_rn(b, sn)).to(self.y_dtype)
-                        sY[(row, P + RH + i)] = (_mul_rn(b, cs) + _mul_rn(a, sn)).to(self.y_dtype)
+                        put(row, col, 2 * q + c2, _mul_rn(a, cs) - _mul_rn(b, sn))
+                        put(row, col + RH, 2 * q + c2, _mul_rn(b, cs) + _mul_rn(a, sn))
