@@ -12,7 +12,7 @@ from ._constants import BLOCK_SHAPES, FP8_BLOCK, MX_BLOCK
 SCALE_MODES = ("rceil", "floor")
 ROPE_STYLES = ("deepseek", "neox", "gptj")
 PRECISIONS = ("mxfp8", "bf16", "fp8_block")
-BLOCK_SCALES = ("pow2", "fp32")
+BLOCK_SCALES = ("pow2", "fp32", "deepseek")
 OUTPUT_FORMATS = ("mxfp8", "bf16")
 BACKENDS = ("auto", "triton", "torch")
 

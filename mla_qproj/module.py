@@ -95,8 +95,9 @@ class FusedMLAQUpProjection(nn.Module):
         columnwise_output: also produce the query's columnwise MXFP8 (32-blocks along T).
         scale_mode: the MXFP8 scales (query, and GEMM inputs with precision "mxfp8"): "rceil"
             (TransformerEngine-compatible, default) or "floor" (OCP v1.0).
-        block_scale: precision "fp8_block" only: "pow2" (power-of-two scales, TransformerEngine's Hopper default)
-            or "fp32" (DeepSeek-V3's original).
+        block_scale: precision "fp8_block" only: "pow2" (power-of-two scales, TransformerEngine's Hopper default),
+            "fp32" (TransformerEngine's rule without power-of-two rounding: scale = fp32(448 / amax), scale_inv its
+            reciprocal) or "deepseek" (DeepSeek-V3's kernels: scale_inv = fp32(amax / 448), codes x / scale_inv).
         rope_theta, rope_scaling: built-in tables for `position_ids` (None or a YaRN dict, HF or DeepSeek form).
         backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else PyTorch), "triton", "torch".
         tp_group: a torch.distributed process group for tensor parallelism over heads (SPEC §6): num_heads is the

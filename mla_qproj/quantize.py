@@ -98,7 +98,8 @@ def fp8_block_quantize(t: torch.Tensor, block_shape: tuple[int, int] = (1, 128),
         t: float32 / bfloat16 / float16 tensor [..., N] (at least 1-D, any strides), viewed as the 2-D
             [M, N] = t.reshape(-1, N).
         block_shape: (1, 128) (1x128 along N), (128, 1) (128x1 along M) or (128, 128) (tiles).
-        block_scale: "pow2" (default; TransformerEngine's default on Hopper) or "fp32" (DeepSeek-V3's original).
+        block_scale: "pow2" (default; TransformerEngine's default on Hopper), "fp32" (TransformerEngine's rule
+            without power-of-two rounding) or "deepseek" (DeepSeek-V3's kernels: scale_inv = fp32(amax / 448)).
         backend: "auto" (Triton on CUDA tensors and under TRITON_INTERPRET=1, else PyTorch) | "triton" | "torch".
     Returns:
         (data, scale_inv): float8_e4m3fn [M, N] and float32 [ceil(M / bm), ceil(N / bn)], contiguous; the two

@@ -259,7 +259,7 @@ def _q_rank(precision: str) -> dict:
     return {"q_lora_rank": FP8_BLOCK_RANK} if precision == "fp8_block" else {}
 
 
-@pytest.mark.parametrize("block_scale", ["pow2", "fp32"])
+@pytest.mark.parametrize("block_scale", ["pow2", "fp32", "deepseek"])
 def test_logits_fp8_block(block_scale):
     """precision="fp8_block" (1x128 / 128x128 blocks, SPEC §5) through the patch: every attention's fused layer runs
     it with the requested block_scale, and the logits stay within the block-scaled FP8 bound of unpatched fp32."""

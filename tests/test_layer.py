@@ -125,7 +125,8 @@ def check_backends_agree(K, H, nope, R, T, precision, output_format, columnwise,
 @pytest.mark.parametrize("precision,output_format,columnwise,scale_mode", [
     ("mxfp8", "mxfp8", False, "rceil"), ("mxfp8", "mxfp8", True, "rceil"), ("mxfp8", "mxfp8", True, "floor"),
     ("mxfp8", "bf16", False, "rceil"), ("bf16", "mxfp8", True, "rceil"), ("bf16", "bf16", False, "rceil"),
-    ("fp8_block", "bf16", False, "pow2"), ("fp8_block", "mxfp8", True, "fp32")])
+    ("fp8_block", "bf16", False, "pow2"), ("fp8_block", "mxfp8", True, "fp32"),
+    ("fp8_block", "bf16", False, "deepseek")])
 def test_backends_agree(precision, output_format, columnwise, scale_mode):
     # (for fp8_block the last field is block_scale)
     if precision == "fp8_block":
@@ -199,7 +200,7 @@ def test_matches_fp64_oracle(layout, T, K, geom, style, k, precision, output_for
     columnwise = columnwise and output_format == "mxfp8"
     layer = make_layer(K, H, nope, R, D, w_dtype, zc, rope_style=style, precision=precision,
                        output_format=output_format, columnwise_output=columnwise, scale_mode=scale_mode,
-                       block_scale="fp32" if seed % 2 else "pow2", backend=backend)
+                       block_scale=("pow2", "fp32", "deepseek")[seed % 3], backend=backend)
     x = make_x(layout, T, K, x_dtype, 2.0**k)
     cos, sin = tables_for(layout, x, R, half)
     tag = f"[{layout} T={T} K={K} geom={geom} {style} 2^{k} {precision}/{output_format} {x_dtype} {backend}]"

@@ -52,9 +52,10 @@ VARIATIONS = {
     "columnwise_output": {"columnwise_output": True},
     "scale_floor": {"scale_mode": "floor"},
     "block_scale_fp32": {"block_scale": "fp32"},
+    "block_scale_deepseek": {"block_scale": "deepseek"},
 }
 CASES = [(p, v) for p in ("mxfp8", "bf16", "fp8_block") for v in VARIATIONS
-         if v != "block_scale_fp32" or p == "fp8_block"]
+         if not v.startswith("block_scale") or p == "fp8_block"]
 
 
 def _params(R: int):
@@ -142,6 +143,6 @@ def _grads_it_changes(precision: str, variation: str) -> tuple[str, ...]:
     dnorm_weight = sum over tokens of dxn * x * rsigma does not depend on g (so not on zero_centered_gamma)."""
     if variation == "zero_centered_gamma":
         return ("dx", "dweight")
-    if variation in ("rope_neox", "rope_gptj", "block_scale_fp32"):
+    if variation in ("rope_neox", "rope_gptj", "block_scale_fp32", "block_scale_deepseek"):
         return GRADS
     return GRADS if variation == "scale_floor" and precision == "mxfp8" else ()  # the MXFP8 GEMM inputs' scales

@@ -17,8 +17,8 @@ from .._config import BLOCK_SCALES, check_block_scale
 from .._constants import FLOAT_DTYPES, FLT_MAX
 from ._common import amax, round_to_e4m3_grid, widen
 
-__all__ = ["fp8_block_scale", "quantize_with_scale", "nan_sign", "nan_max", "block_amax",
-           "pack_e4m3_words", "runs_of", "widen_lean", "check_float_tensor", "round_up", "BLOCK_SCALES",
+__all__ = ["fp8_block_scale", "block_scale_code", "encode_operand", "quantize_with_scale", "nan_sign", "nan_max",
+           "block_amax", "pack_e4m3_words", "runs_of", "widen_lean", "check_float_tensor", "round_up", "BLOCK_SCALES",
            "check_block_scale", "T_PAD", "FLOAT_DTYPES"]
 
 _FLT_MAX = tl.constexpr(FLT_MAX)
@@ -31,12 +31,29 @@ T_PAD = 16  # transposed 128x1 codes [N, T_pad]: T_pad = round_up(T, T_PAD) (cuB
 
 
 @triton.jit
-def fp8_block_scale(amax, POW2: tl.constexpr):
-    """SPEC §5: (scale, scale_inv) fp32 of blocks with this amax (>= 0 or NaN). scale = 1.0 for amax 0, NaN or inf;
-    else fp32(448 / amax) (round to nearest even), FLT_MAX where that overflows; POW2 then clears its mantissa bits.
-    scale_inv = fp32(1 / scale) (exact for POW2).
+def block_scale_code(block_scale: str) -> int:
+    """The kernels' BLOCK_SCALE constexpr: 0 "pow2", 1 "fp32", 2 "deepseek"."""
+    return BLOCK_SCALES.index(check_block_scale(block_scale))
 
-    POW2 from the exponent alone (no division; checked against the SPEC form on all 2^31 non-negative fp32 amaxes,
+
+@triton.jit
+def encode_operand(x, scale, BLOCK_SCALE: tl.constexpr):
+    """fp32(x * scale), or for "deepseek" fp32(x / scale_inv) (`fp8_block_scale`'s first result is then scale_inv)."""
+    if BLOCK_SCALE == 2:
+        return tl.math.div_rn(x, scale)
+    return x * scale
+
+
+@triton.jit
+def fp8_block_scale(amax, BLOCK_SCALE: tl.constexpr):
+    """SPEC §5: (encode operand, scale_inv) fp32 of blocks with this amax (>= 0 or NaN).
+    BLOCK_SCALE 0 "pow2" / 1 "fp32" (TransformerEngine's rules): the multiplier scale = 1.0 for amax 0, NaN or inf;
+    else fp32(448 / amax) (round to nearest even), FLT_MAX where that overflows; "pow2" then clears its mantissa
+    bits. scale_inv = fp32(1 / scale) (exact for "pow2").
+    BLOCK_SCALE 2 "deepseek" (DeepSeek-V3's kernels): scale_inv = fp32(amax / 448) (1.0 for amax 0, NaN or inf, and
+    where the quotient underflows to 0), which is also the operand: the codes divide by it (`encode_operand`).
+
+    "pow2" from the exponent alone (no division; checked against the SPEC form on all 2^31 non-negative fp32 amaxes,
     no mismatch: the check's commit is in BENCHMARKS.md): for amax = m * 2^e (1 <= m < 2, e = biased exponent -
     127), 448 / amax = (1.75 / m) * 2^(8 - e) and 1.75 / m lies in [1, 1.75] for m <= 1.75 and in (0.875, 1) above,
     never rounding up to the next power of two: scale = 2^k with
@@ -47,8 +64,14 @@ def fp8_block_scale(amax, POW2: tl.constexpr):
     biased_exp + (mantissa bits > 0x600000) and scale's biased exponent is min(262 - e, 254); scale_inv's bits are
     0x7F000000 - scale's (2^-k for k < 127; 1.0 for scale 1.0), raised to 0x400000 (2^-127) where that gives 0
     (k = 127). Special amaxes (0, inf, NaN; any sign bit) are those with bits - 1 >= 0x7F7FFFFF unsigned.
-    "fp32" divides with tl.math.div_rn (plain `/` is approximate on the GPU)."""
-    if POW2:
+    "fp32" and "deepseek" divide with tl.math.div_rn (plain `/` is approximate on the GPU)."""
+    if BLOCK_SCALE == 2:
+        bits = amax.to(tl.int32, bitcast=True)
+        special = (amax == 0) | (((bits >> 23) & 0xFF) == 0xFF)  # 0, inf, NaN
+        scale_inv = tl.math.div_rn(tl.where(special, 0.0, amax), 448.0)
+        scale_inv = tl.where(scale_inv == 0, 1.0, scale_inv)
+        scale = scale_inv
+    elif BLOCK_SCALE == 0:
         bits = amax.to(tl.uint32, bitcast=True)
         special = (bits - 1) >= 0x7F7FFFFF  # 0, inf, NaN
         e = (bits + 0x1FFFFF) >> 23  # garbage only where special
@@ -79,12 +102,13 @@ def nan_sign(x_raw):
 
 
 @triton.jit
-def quantize_with_scale(x, scale, sign, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr):
-    """Element code bits (uint8; SPEC §5, §2 element rules): E4M3 round-to-nearest-even of fp32(x * scale), saturated
-    to ±448; NaN is 0x7F | sign (sign: 0 or 0x80, see `nan_sign`), the sign of zero is kept.
+def quantize_with_scale(x, scale, sign, EMULATED: tl.constexpr, NAN_SIGN: tl.constexpr, BLOCK_SCALE: tl.constexpr):
+    """Element code bits (uint8; SPEC §5, §2 element rules): E4M3 round-to-nearest-even of `encode_operand(x, scale)`
+    (fp32(x * scale); "deepseek": fp32(x / scale_inv)), saturated to ±448; NaN is 0x7F | sign (sign: 0 or 0x80, see
+    `nan_sign`), the sign of zero is kept.
     NAN_SIGN=False: the caller passes sign 0 (computed tensors, NaN made +NaN: reference `canonical_nan`); on the GPU
     the multiply already gives +NaN, which the cast encodes 0x7F, so the fix-up is skipped there."""
-    y = x * scale
+    y = encode_operand(x, scale, BLOCK_SCALE)
     if EMULATED:
         code = round_to_e4m3_grid(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         code = tl.where(x == x, code, 0x7F | sign).to(tl.uint8)

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from .._config import check_block_shape
 from .._constants import FP8_BLOCK
-from . import _op
+from . import _fp8_block, _op
 from ._common import amax, cdiv
 from ._fp8_block import (
     block_amax,
@@ -30,7 +30,7 @@ def _fp8_block_quant_kernel(
     x_ptr, stride_m, stride_n, data_ptr, sinv_ptr,
     M, N, NB_N,
     BM: tl.constexpr, BN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POW2: tl.constexpr, EMULATED: tl.constexpr,
+    BLOCK_SCALE: tl.constexpr, EMULATED: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile holding whole (bm, bn) blocks: amax per block (NaN-ignoring; elements outside the
     tensor load as NaN, so a partial block's amax is over the elements that exist), scale, codes."""
@@ -44,18 +44,18 @@ def _fp8_block_quant_kernel(
     b_sign = nan_sign(b_raw)  # the input's NaN signs are kept (SPEC §2 element rules)
     if BM == 1:
         tl.static_assert(BN == BLOCK_N)  # 1x128 along N: one block per row of the tile
-        b_scale, b_sinv = fp8_block_scale(amax(b_x, 1, EMULATED), POW2)  # [BLOCK_M]
-        b_q = quantize_with_scale(b_x, b_scale[:, None], b_sign, EMULATED, True)
+        b_scale, b_sinv = fp8_block_scale(amax(b_x, 1, EMULATED), BLOCK_SCALE)  # [BLOCK_M]
+        b_q = quantize_with_scale(b_x, b_scale[:, None], b_sign, EMULATED, True, BLOCK_SCALE)
         tl.store(sinv_ptr + o_m * NB_N + i_n, b_sinv, mask=m_m)
     elif BN == 1:
         tl.static_assert(BM == BLOCK_M)  # 128x1 along M: one block per column of the tile
-        b_scale, b_sinv = fp8_block_scale(amax(b_x, 0, EMULATED), POW2)  # [BLOCK_N]
-        b_q = quantize_with_scale(b_x, b_scale[None, :], b_sign, EMULATED, True)
+        b_scale, b_sinv = fp8_block_scale(amax(b_x, 0, EMULATED), BLOCK_SCALE)  # [BLOCK_N]
+        b_q = quantize_with_scale(b_x, b_scale[None, :], b_sign, EMULATED, True, BLOCK_SCALE)
         tl.store(sinv_ptr + i_m * N + o_n, b_sinv, mask=m_n)
     else:
         tl.static_assert((BM == BLOCK_M) & (BN == BLOCK_N))  # the tile is one 128x128 block
-        b_scale, b_sinv = fp8_block_scale(block_amax(b_x, EMULATED), POW2)  # scalar
-        b_q = quantize_with_scale(b_x, b_scale, b_sign, EMULATED, True)
+        b_scale, b_sinv = fp8_block_scale(block_amax(b_x, EMULATED), BLOCK_SCALE)  # scalar
+        b_q = quantize_with_scale(b_x, b_scale, b_sign, EMULATED, True, BLOCK_SCALE)
         tl.store(sinv_ptr + i_m * NB_N + i_n, b_sinv)
     tl.store(data_ptr + o_m[:, None] * N + o_n[None, :], b_q, mask=m)  # codes as uint8 (a view of the fp8 output)
 
@@ -108,7 +108,7 @@ def fp8_block_quantize_2d(x2d: torch.Tensor, block_shape=(1, FP8_BLOCK), block_s
     _fp8_block_quant_kernel[grid](
         x_ptr=x2d, stride_m=x2d.stride(0), stride_n=x2d.stride(1), data_ptr=data.view(torch.uint8), sinv_ptr=sinv,
         M=M, N=N, NB_N=cdiv(N, bn), BM=bm, BN=bn, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        POW2=block_scale == "pow2", EMULATED=_op.emulated(x2d.device),
+        BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), EMULATED=_op.emulated(x2d.device),
         num_warps=cfg.num_warps,
     )
     return data, sinv

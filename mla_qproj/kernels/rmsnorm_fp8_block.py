@@ -24,7 +24,15 @@ from .._config import QProjConfig, interpreter_enabled
 from .._constants import FP8_BLOCK
 from . import _fp8_block, _op
 from ._common import amax, cdiv
-from ._fp8_block import fp8_block_scale, pack_e4m3_words, quantize_with_scale, runs_of, widen, widen_lean
+from ._fp8_block import (
+    encode_operand,
+    fp8_block_scale,
+    pack_e4m3_words,
+    quantize_with_scale,
+    runs_of,
+    widen,
+    widen_lean,
+)
 from .rmsnorm_quant import _rsigma_kernel
 
 
@@ -32,7 +40,7 @@ from .rmsnorm_quant import _rsigma_kernel
 def _rmsnorm_fp8_block_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, row_data_ptr, row_sinv_ptr, col_data_ptr, col_sinv_ptr,
     T, T_pad,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CENTERED: tl.constexpr, POW2: tl.constexpr,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_SCALE: tl.constexpr,
     COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr,
 ):
     """Program (128 tokens, BLOCK_K columns): xn = x * rsigma * g -> 1x128 codes + M-major scale_inv, and
@@ -55,15 +63,16 @@ def _rmsnorm_fp8_block_kernel(
     # (a) 1x128 along K: NB blocks per row of the tile
     NB: tl.constexpr = BLOCK_K // 128
     b_x3 = tl.reshape(b_xn, (128, NB, 128))
-    b_scale, b_sinv = fp8_block_scale(amax(b_x3, 2, EMULATED), POW2)  # [128, NB]
-    b_q = tl.reshape(quantize_with_scale(b_x3, b_scale[:, :, None], 0, EMULATED, False), (128, BLOCK_K))
+    b_scale, b_sinv = fp8_block_scale(amax(b_x3, 2, EMULATED), BLOCK_SCALE)  # [128, NB]
+    b_q = tl.reshape(quantize_with_scale(b_x3, b_scale[:, :, None], 0, EMULATED, False, BLOCK_SCALE),
+                     (128, BLOCK_K))
     tl.store(row_data_ptr + o_t[:, None] * K + o_k[None, :], b_q, mask=m_t[:, None])
     o_b = i_k * NB + tl.arange(0, NB)
     tl.store(row_sinv_ptr + o_b[None, :] * T + o_t[:, None], b_sinv, mask=m_t[:, None])  # M-major [K/128, T]
     if COLUMNWISE:
         # (b) 128x1 along T: the tile's 128 rows are one block per column
-        b_cscale, b_csinv = fp8_block_scale(amax(b_xn, 0, EMULATED), POW2)  # [BLOCK_K]
-        b_cq = quantize_with_scale(b_xn, b_cscale[None, :], 0, EMULATED, False)
+        b_cscale, b_csinv = fp8_block_scale(amax(b_xn, 0, EMULATED), BLOCK_SCALE)  # [BLOCK_K]
+        b_cq = quantize_with_scale(b_xn, b_cscale[None, :], 0, EMULATED, False, BLOCK_SCALE)
         b_cq = tl.where(m_t[:, None], b_cq, 0).to(tl.uint8)  # zero codes in the padding [T, T_pad)
         # transposed [K, T_pad]: tokens contiguous in memory
         tl.store(col_data_ptr + o_k[:, None] * T_pad + o_t[None, :], tl.trans(b_cq), mask=(o_t < T_pad)[None, :])
@@ -74,7 +83,7 @@ def _rmsnorm_fp8_block_kernel(
 def _rmsnorm_fp8_block_packed_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, row_w_ptr, row_sinv_ptr, col_w_ptr, col_sinv_ptr,
     T, T_pad,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, TJ: tl.constexpr, ZERO_CENTERED: tl.constexpr, POW2: tl.constexpr,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, TJ: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_SCALE: tl.constexpr,
     COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr,
 ):
     """`_rmsnorm_fp8_block_kernel`'s bytes from [TR, TJ, BLOCK_K] tiles (token = TR-index * TJ + TJ-index): every
@@ -99,8 +108,10 @@ def _rmsnorm_fp8_block_packed_kernel(
     # (a) 1x128 along K: NB blocks per row of the tile
     NB: tl.constexpr = BLOCK_K // 128
     b_x4 = tl.reshape(b_xn, (TR, TJ, NB, 128))
-    b_scale, b_sinv = fp8_block_scale(amax(b_x4, 3, EMULATED), POW2)  # [TR, TJ, NB]
-    b_rw = pack_e4m3_words(tl.reshape(b_x4 * b_scale[:, :, :, None], (TR, TJ, BLOCK_K)), EMULATED)  # [.., BK/4]
+    b_scale, b_sinv = fp8_block_scale(amax(b_x4, 3, EMULATED), BLOCK_SCALE)  # [TR, TJ, NB]
+    b_rw = pack_e4m3_words(
+        tl.reshape(encode_operand(b_x4, b_scale[:, :, :, None], BLOCK_SCALE), (TR, TJ, BLOCK_K)),
+        EMULATED)  # [.., BK/4]
     o_kw = i_k * (BLOCK_K // 4) + runs_of(0, BLOCK_K // 4, 2)
     tl.store(row_w_ptr + o_t[:, :, None] * (K // 4) + o_kw[None, None, :], b_rw, mask=m_t[:, :, None])
     o_b = i_k * NB + tl.arange(0, NB)
@@ -108,8 +119,10 @@ def _rmsnorm_fp8_block_packed_kernel(
     if COLUMNWISE:
         # (b) 128x1 along T: the tile's 128 rows are one block per column
         b_cscale, b_csinv = fp8_block_scale(amax(amax(b_xn, 1, EMULATED), 0, EMULATED),
-                                            POW2)  # [BLOCK_K]
-        b_cw = pack_e4m3_words(tl.permute(b_xn * b_cscale[None, None, :], (0, 2, 1)), EMULATED)  # [TR, BK, TJ/4]
+                                            BLOCK_SCALE)  # [BLOCK_K]
+        b_cw = pack_e4m3_words(
+            tl.permute(encode_operand(b_xn, b_cscale[None, None, :], BLOCK_SCALE), (0, 2, 1)),
+            EMULATED)  # [TR, BK, TJ/4]
         o_tw = (i_t * 128 + o_r[:, None] * TJ) // 4 + tl.arange(0, TJ // 4)[None, :]  # [TR, TJ/4]: token words
         # zero codes in the padding rows [T, T_pad): a byte mask per word (tokens 4w .. 4w + 3), 1 op per 4 codes
         n_ok = tl.minimum(tl.maximum(T - o_tw * 4, 0), 4)
@@ -228,7 +241,8 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
             # without the columnwise pair its stores are compiled out: the row outputs stand in as pointers
             col_w_ptr=(cd if columnwise else rd).view(torch.int32), col_sinv_ptr=cs if columnwise else rs,
             T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, TJ=tj, ZERO_CENTERED=bool(zero_centered_gamma),
-            POW2=block_scale == "pow2", COLUMNWISE=bool(columnwise), TOKENS_ON_AXIS0=tokens_on_axis0,
+            BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
+            TOKENS_ON_AXIS0=tokens_on_axis0,
             EMULATED=emulated, num_warps=cfg.num_warps,
         )
         return outs
@@ -238,8 +252,8 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
         # without the columnwise pair its stores are compiled out: the row outputs stand in as pointers
         col_data_ptr=(cd if columnwise else rd).view(torch.uint8), col_sinv_ptr=cs if columnwise else rs,
         T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, ZERO_CENTERED=bool(zero_centered_gamma),
-        POW2=block_scale == "pow2", COLUMNWISE=bool(columnwise), TOKENS_ON_AXIS0=tokens_on_axis0,
-        EMULATED=_op.emulated(x2d.device), num_warps=cfg.num_warps,
+        BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
+        TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=_op.emulated(x2d.device), num_warps=cfg.num_warps,
     )
     return outs
 

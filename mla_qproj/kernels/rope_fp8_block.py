@@ -34,22 +34,22 @@ from ._fp8_block import fp8_block_scale, nan_max, quantize_with_scale, widen
 
 @triton.jit
 def _store_row_codes(b_g, b_scale, o_t, m_t, col0, row_data_ptr, N: tl.constexpr, W: tl.constexpr,
-                     EMULATED: tl.constexpr):
+                     BLOCK_SCALE: tl.constexpr, EMULATED: tl.constexpr):
     """1x128 codes of output columns [col0, col0 + W) (b_g [128, W] fp32, b_scale [128]: its rows' block scale)."""
     o_c = col0 + tl.arange(0, W)
-    b_q = quantize_with_scale(b_g, b_scale[:, None], 0, EMULATED, False)
+    b_q = quantize_with_scale(b_g, b_scale[:, None], 0, EMULATED, False, BLOCK_SCALE)
     tl.store(row_data_ptr + o_t[:, None] * N + o_c[None, :], b_q, mask=m_t[:, None] & (o_c < N)[None, :])
 
 
 @triton.jit
 def _store_col_blocks(b_g, o_t, i_t, T_pad, col0, col_data_ptr, col_sinv_ptr, N: tl.constexpr, W: tl.constexpr,
-                      POW2: tl.constexpr, EMULATED: tl.constexpr):
+                      BLOCK_SCALE: tl.constexpr, EMULATED: tl.constexpr):
     """128x1 blocks of output columns [col0, col0 + W): the tile's 128 rows are one block per column (rows past T
     hold 0). Codes stored transposed [N, T_pad]: the padding rows' codes are those zeros."""
     o_c = col0 + tl.arange(0, W).to(tl.int64)
     m_c = o_c < N
-    b_scale, b_sinv = fp8_block_scale(amax(b_g, 0, EMULATED), POW2)  # [W]
-    b_q = quantize_with_scale(b_g, b_scale[None, :], 0, EMULATED, False)
+    b_scale, b_sinv = fp8_block_scale(amax(b_g, 0, EMULATED), BLOCK_SCALE)  # [W]
+    b_q = quantize_with_scale(b_g, b_scale[None, :], 0, EMULATED, False, BLOCK_SCALE)
     tl.store(col_data_ptr + o_c[:, None] * T_pad + o_t[None, :], tl.trans(b_q),
              mask=m_c[:, None] & (o_t < T_pad)[None, :])  # [W, 128]: tokens contiguous in memory
     tl.store(col_sinv_ptr + i_t * N + o_c, b_sinv, mask=m_c)
@@ -139,7 +139,7 @@ def _rope_fp8_block_kernel(
     row_data_ptr, row_sinv_ptr, col_data_ptr, col_sinv_ptr,
     T, T_pad,
     H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
-    W: tl.constexpr, GATHER: tl.constexpr, POW2: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr,
+    W: tl.constexpr, GATHER: tl.constexpr, BLOCK_SCALE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr,
     EMULATED: tl.constexpr,
 ):
     """Program (128 tokens, 128 columns) as 128 / W runs of W columns (2 or 4, kept in registers): the 1x128 amax
@@ -164,17 +164,17 @@ def _rope_fp8_block_kernel(
         b_3 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 3 * W, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
         b_amax = nan_max(b_amax, nan_max(amax(b_2, 1, EMULATED), amax(b_3, 1, EMULATED),
                                          EMULATED), EMULATED)
-    b_scale, b_sinv = fp8_block_scale(b_amax, POW2)  # [128]: one 1x128 block per row
+    b_scale, b_sinv = fp8_block_scale(b_amax, BLOCK_SCALE)  # [128]: one 1x128 block per row
     tl.store(row_sinv_ptr + i_n.to(tl.int64) * T + o_t, b_sinv, mask=m_t)  # M-major [ceil(N/128), T]
-    _store_row_codes(b_0, b_scale, o_t, m_t, n0, row_data_ptr, N, W, EMULATED)
-    _store_col_blocks(b_0, o_t, i_t, T_pad, n0, col_data_ptr, col_sinv_ptr, N, W, POW2, EMULATED)
-    _store_row_codes(b_1, b_scale, o_t, m_t, n0 + W, row_data_ptr, N, W, EMULATED)
-    _store_col_blocks(b_1, o_t, i_t, T_pad, n0 + W, col_data_ptr, col_sinv_ptr, N, W, POW2, EMULATED)
+    _store_row_codes(b_0, b_scale, o_t, m_t, n0, row_data_ptr, N, W, BLOCK_SCALE, EMULATED)
+    _store_col_blocks(b_0, o_t, i_t, T_pad, n0, col_data_ptr, col_sinv_ptr, N, W, BLOCK_SCALE, EMULATED)
+    _store_row_codes(b_1, b_scale, o_t, m_t, n0 + W, row_data_ptr, N, W, BLOCK_SCALE, EMULATED)
+    _store_col_blocks(b_1, o_t, i_t, T_pad, n0 + W, col_data_ptr, col_sinv_ptr, N, W, BLOCK_SCALE, EMULATED)
     if W == 32:
-        _store_row_codes(b_2, b_scale, o_t, m_t, n0 + 2 * W, row_data_ptr, N, W, EMULATED)
-        _store_col_blocks(b_2, o_t, i_t, T_pad, n0 + 2 * W, col_data_ptr, col_sinv_ptr, N, W, POW2, EMULATED)
-        _store_row_codes(b_3, b_scale, o_t, m_t, n0 + 3 * W, row_data_ptr, N, W, EMULATED)
-        _store_col_blocks(b_3, o_t, i_t, T_pad, n0 + 3 * W, col_data_ptr, col_sinv_ptr, N, W, POW2, EMULATED)
+        _store_row_codes(b_2, b_scale, o_t, m_t, n0 + 2 * W, row_data_ptr, N, W, BLOCK_SCALE, EMULATED)
+        _store_col_blocks(b_2, o_t, i_t, T_pad, n0 + 2 * W, col_data_ptr, col_sinv_ptr, N, W, BLOCK_SCALE, EMULATED)
+        _store_row_codes(b_3, b_scale, o_t, m_t, n0 + 3 * W, row_data_ptr, N, W, BLOCK_SCALE, EMULATED)
+        _store_col_blocks(b_3, o_t, i_t, T_pad, n0 + 3 * W, col_data_ptr, col_sinv_ptr, N, W, BLOCK_SCALE, EMULATED)
 
 
 def unit_fits(w: int, qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -> bool:
@@ -270,7 +270,8 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
         dq_ptr=dq2d, stride_dq=dq2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
         row_data_ptr=rd.view(torch.uint8), row_sinv_ptr=rs, col_data_ptr=cd.view(torch.uint8), col_sinv_ptr=cs,
         T=T, T_pad=cd.shape[1], H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style,
-        W=cfg.unit, GATHER=cfg.gather, POW2=block_scale == "pow2", TOKENS_ON_AXIS0=tokens_on_axis0,
+        W=cfg.unit, GATHER=cfg.gather, BLOCK_SCALE=_fp8_block.block_scale_code(block_scale),
+        TOKENS_ON_AXIS0=tokens_on_axis0,
         EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return outs

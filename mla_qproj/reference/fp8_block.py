@@ -33,15 +33,22 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def fp8_block_scale(amax: torch.Tensor, block_scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §5: (scale, scale_inv) fp32 of blocks with this amax.
+    """SPEC §5: (encode operand, scale_inv) fp32 of blocks with this amax.
 
-    scale = 1.0 for amax 0, NaN (all-NaN block) or inf; else fp32(448 / amax) (an fp32 division, round to nearest
-    even), FLT_MAX where that overflows; "pow2" then clears its mantissa bits (rounds down to a power of two).
-    scale_inv = fp32(1 / scale) (exact for "pow2": 2^-e, the subnormal 2^-127 for scale 2^127).
+    "pow2" and "fp32" (TransformerEngine's rules): the operand is the multiplier scale = 1.0 for amax 0, NaN (all-NaN
+    block) or inf; else fp32(448 / amax) (an fp32 division, round to nearest even), FLT_MAX where that overflows;
+    "pow2" then clears its mantissa bits (rounds down to a power of two). scale_inv = fp32(1 / scale) (exact for
+    "pow2": 2^-e, the subnormal 2^-127 for scale 2^127).
+    "deepseek" (DeepSeek-V3's kernels): scale_inv = fp32(amax / 448), 1.0 for amax 0, NaN or inf and where the
+    quotient underflows to 0; the operand is scale_inv itself, the divisor (`quantize_with_scale(..., divide=True)`).
     """
     check_block_scale(block_scale)
     a = amax.float()
     special = (a == 0) | torch.isnan(a) | torch.isinf(a)
+    if block_scale == "deepseek":
+        sinv = torch.div(torch.where(special, torch.zeros_like(a), a), E4M3_MAX)  # fp32 / fp32, correctly rounded
+        sinv = torch.where(sinv == 0, torch.ones_like(a), sinv)
+        return sinv, sinv
     safe = torch.where(special, torch.ones_like(a), a)  # no 448 / 0 or 448 / NaN
     scale = torch.div(torch.full_like(a, E4M3_MAX), safe)  # fp32 / fp32, correctly rounded
     scale = torch.where(torch.isinf(scale), torch.full_like(a, FLT_MAX), scale)
@@ -52,11 +59,11 @@ def fp8_block_scale(amax: torch.Tensor, block_scale: str) -> tuple[torch.Tensor,
     return scale, scale_inv
 
 
-def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Element codes (SPEC §5, §2 element rules): E4M3 round-to-nearest-even of fp32(x * scale), saturated to ±448;
-    NaN stays NaN with x's sign, the sign of zero is kept. scale broadcasts against x."""
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, divide: bool = False) -> torch.Tensor:
+    """Element codes (SPEC §5, §2 element rules): E4M3 round-to-nearest-even of fp32(x * scale) (divide: fp32(x /
+    scale)), saturated to ±448; NaN stays NaN with x's sign, the sign of zero is kept. scale broadcasts against x."""
     xf = x.float()
-    return encode_e4m3(xf * scale, xf)
+    return encode_e4m3(torch.div(xf, scale) if divide else xf * scale, xf)
 
 
 def _blocks(xf: torch.Tensor, bm: int, bn: int) -> torch.Tensor:
@@ -85,7 +92,7 @@ def quantize_blocks(x2d: torch.Tensor, block_shape=(1, FP8_BLOCK),
     xf = x2d.float()
     amax = nan_ignoring_amax(_blocks(xf, bm, bn), dim=-1)  # [ceil(M/bm), ceil(N/bn)]
     scale, scale_inv = fp8_block_scale(amax, block_scale)
-    return quantize_with_scale(xf, _expand(scale, bm, bn, M, N)), scale_inv
+    return quantize_with_scale(xf, _expand(scale, bm, bn, M, N), block_scale == "deepseek"), scale_inv
 
 
 def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block_shape=(1, FP8_BLOCK),

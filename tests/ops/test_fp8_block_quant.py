@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from mla_qproj import fp8_block_quantize
 from mla_qproj.kernels._common import cdiv
-from mla_qproj.kernels._fp8_block import fp8_block_scale
+from mla_qproj.kernels._fp8_block import block_scale_code, fp8_block_scale
 from mla_qproj.kernels.fp8_block_quant import Fp8BlockQuantConfig, fp8_block_quantize_2d, fp8_block_quantize_op
 from mla_qproj.reference import fp8_block as F
 
@@ -130,10 +130,10 @@ def test_quantize_gpu_large(block_scale, dtype):
 
 
 @triton.jit
-def _scale_kernel(amax_ptr, scale_ptr, sinv_ptr, n, POW2: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(amax_ptr, scale_ptr, sinv_ptr, n, BLOCK_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
-    scale, sinv = fp8_block_scale(tl.load(amax_ptr + o, mask=m, other=0.0), POW2)
+    scale, sinv = fp8_block_scale(tl.load(amax_ptr + o, mask=m, other=0.0), BLOCK_SCALE)
     tl.store(scale_ptr + o, scale, mask=m)
     tl.store(sinv_ptr + o, sinv, mask=m)
 
@@ -153,11 +153,48 @@ def _amax_samples() -> torch.Tensor:
 
 @pytest.mark.parametrize("block_scale", F.BLOCK_SCALES)
 def test_scale_rule_matches_reference(block_scale):
-    """`fp8_block_scale` (the kernels' twin: exponent arithmetic for pow2, div_rn for fp32) equals the reference's
+    """`fp8_block_scale` (the kernels' twin: exponent arithmetic for pow2, div_rn for fp32 and deepseek) equals the reference's
     SPEC-form division on every exponent and the pow2 rule's mantissa edges."""
     amax = _amax_samples().to(DEVICE)
     scale, sinv = torch.empty_like(amax), torch.empty_like(amax)
-    _scale_kernel[(cdiv(amax.numel(), 1024),)](amax, scale, sinv, amax.numel(), POW2=block_scale == "pow2", BLOCK=1024)
+    _scale_kernel[(cdiv(amax.numel(), 1024),)](amax, scale, sinv, amax.numel(),
+                                               BLOCK_SCALE=block_scale_code(block_scale), BLOCK=1024)
     rs, rsi = F.fp8_block_scale(amax.cpu(), block_scale)
     assert_bytes_equal(scale, rs, f"{block_scale} scale")
     assert_bytes_equal(sinv, rsi, f"{block_scale} scale_inv")
+
+
+def _deepseek_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's activation quantizer (its inference `kernel.py` act_quant, 1x128 blocks) written here in torch
+    ops: s = amax / 448 per block, codes = e4m3(x / s), s stored. fp32 throughout, IEEE division."""
+    xb = x.float().reshape(x.shape[0], -1, B)
+    s = xb.abs().amax(dim=-1, keepdim=True) / 448.0
+    return (xb / s).to(torch.float8_e4m3fn).reshape(x.shape), s.squeeze(-1)
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(m=st.integers(1, 40), nb=st.integers(1, 3), log_scale=st.floats(-30, 30), seed=st.integers(0, 10_000),
+       backend=st.sampled_from(["torch", "triton"]))
+def test_deepseek_rule_equals_deepseeks_quantizer(m, nb, log_scale, seed, backend):
+    """block_scale="deepseek" gives DeepSeek's own bytes (codes and scale_inv) for 1x128 activations on both
+    backends, on blocks of any magnitude with no all-zero block (where DeepSeek's rule divides 0 by 0; SPEC §5 then
+    stores scale_inv 1.0). The "fp32" rule (TransformerEngine's: scale_inv = 1 / fp32(448 / amax)) is a different
+    one: its scale_inv differs from DeepSeek's in some blocks of a large sample."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, nb * B, generator=g) * 2.0**log_scale
+    x[:, 0] = x[:, 0].abs() + 2.0**log_scale * 1e-3  # no all-zero block
+    data, sinv = fp8_block_quantize(x.to(DEVICE), (1, B), block_scale="deepseek", backend=backend)
+    dd, ds = _deepseek_act_quant(x)
+    assert_bytes_equal(data, dd, "codes against DeepSeek's rule")
+    assert_bytes_equal(sinv, ds, "scale_inv against DeepSeek's rule")
+
+
+def test_fp32_and_deepseek_rules_differ():
+    """The two non-power-of-two rules are not the same (so "fp32" is not DeepSeek's): over 4096 blocks their
+    scale_inv differ in many blocks (1 ulp), and codes at exact ties."""
+    x = torch.randn(4096, B, generator=torch.Generator().manual_seed(1)) * 3.0
+    _, s_te = F.quantize_blocks(x, (1, B), "fp32")
+    _, s_ds = F.quantize_blocks(x, (1, B), "deepseek")
+    differ = (s_te != s_ds).float().mean().item()
+    assert 0.05 < differ < 0.95, differ
+    assert ((s_te - s_ds).abs() <= torch.finfo(torch.float32).eps * s_ds).all()
