@@ -153,8 +153,8 @@ def _amax_samples() -> torch.Tensor:
 
 @pytest.mark.parametrize("block_scale", F.BLOCK_SCALES)
 def test_scale_rule_matches_reference(block_scale):
-    """`fp8_block_scale` (the kernels' twin: exponent arithmetic for pow2, div_rn for fp32 and deepseek) equals the reference's
-    SPEC-form division on every exponent and the pow2 rule's mantissa edges."""
+    """`fp8_block_scale` (the kernels' twin: exponent arithmetic for pow2, div_rn for fp32 and deepseek) equals the
+    reference's SPEC-form division on every exponent and the pow2 rule's mantissa edges."""
     amax = _amax_samples().to(DEVICE)
     scale, sinv = torch.empty_like(amax), torch.empty_like(amax)
     _scale_kernel[(cdiv(amax.numel(), 1024),)](amax, scale, sinv, amax.numel(),
