@@ -5,8 +5,17 @@
 #   bench   python -m mla_qproj.bench (BENCH_ARGS), appending to bench_results.jsonl (copied to $OUT)
 #   kernels python -m mla_qproj.bench_kernels
 #   probe   any extra command in PROBE (e.g. a tools/ script)
+# The CuTe DSL engine on a GPU machine without the DSL's compiler: put the apache-tvm-ffi wheel for its Python in
+# $CUTE_DIR (default .cute) and the kernels in $CUTE_DIR/kernels (`python tools/build_cute_kernels.py --out
+# .cute/kernels --geometry ...`, on any machine); they are installed / used from there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+CUTE_DIR=${CUTE_DIR:-.cute}
+if compgen -G "$CUTE_DIR/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cute_site "$CUTE_DIR"/*.whl > /dev/null 2>&1
+  export PYTHONPATH=/tmp/cute_site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -d "$CUTE_DIR/kernels" ] && export MLA_QPROJ_CUTE_KERNELS=${MLA_QPROJ_CUTE_KERNELS:-$PWD/$CUTE_DIR/kernels}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"tests bench kernels"}
