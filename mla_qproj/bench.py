@@ -1,8 +1,11 @@
 """Benchmark FusedMLAQUpProjection against cuBLAS and the unfused compositions users run (DeepSeek-V3 query shape).
 
     python -m mla_qproj.bench [--tokens 1024,4096,16384,65536] [--out bench_out] [--results bench_results.jsonl]
+                              [--shape v3 | v2-lite]
 
-Shape: q_lora_rank K=1536, 128 heads, qk_head_dim 128 + rope 64 = q_head_dim 192 (N = 24576); x bf16 [T, K]
+Shape (--shape v3, the default): q_lora_rank K=1536, 128 heads, qk_head_dim 128 + rope 64 = q_head_dim 192
+(N = 24576); --shape v2-lite: DeepSeek-V2-Lite's norm-free query (hidden 2048 projected by q_proj to 16 heads of
+128 + 64; our layer with norm=None, every peer without its RMSNorm, no accuracy table); x bf16 [T, K]
 random normal, parameters bf16, prebuilt cos/sin fp32 [T, 64] (HF layout, positions 0..T-1).
 
 Rows per T (all in one process, same inputs):
@@ -55,10 +58,23 @@ from .reference.mxfp8 import quantize_rowwise
 from .reference.rope import apply_rope, build_rope_tables, rope_inv_freq
 from .tensor import MXFP8Tensor
 
+# the query geometries (K, H, qk_head_dim, rope) and whether the layer has its RMSNorm: DeepSeek-V3's normed
+# bottleneck, and DeepSeek-V2-Lite's norm-free q_proj (q_lora_rank null: the hidden state, 2048 wide, projected
+# straight to 16 heads; the layer built with norm=None, the peers without their RMSNorm)
+SHAPES = {"v3": (DEEPSEEK_V3, True), "v2-lite": ((2048, 16, 128, 64), False)}
 K, H, NOPE, ROPE = DEEPSEEK_V3
 D = NOPE + ROPE
 N = H * D
+NORM = True
 EPS = 1e-6
+
+
+def set_shape(name: str) -> None:
+    """Select the benchmarked geometry (module globals every row reads): one of SHAPES."""
+    global K, H, NOPE, ROPE, D, N, NORM
+    (K, H, NOPE, ROPE), NORM = SHAPES[name]
+    D = NOPE + ROPE
+    N = H * D
 
 
 @dataclass
@@ -118,8 +134,10 @@ def gpu_state() -> str:
 
 
 def _rmsnorm_fp32(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * g in fp32."""
+    """x * rsqrt(mean(x^2) + eps) * g in fp32 (x in fp32 for a norm-free shape)."""
     xf = x.float()
+    if not NORM:
+        return xf
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * g.float()
 
 
@@ -273,7 +291,8 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
             def fn():
                 layer(xr, c["cos"], c["sin"]).backward(c["dy"])  # an MXFP8Tensor takes the dense gradient too
 
-            return (triton_engine(fn) if variant.endswith("_triton") else fn), [xr, layer.weight, layer.norm_weight]
+            params = [layer.weight, layer.norm_weight] if NORM else [layer.weight]
+            return (triton_engine(fn) if variant.endswith("_triton") else fn), [xr, *params]
 
         return build
 
@@ -370,10 +389,12 @@ def make_layers(device: torch.device) -> tuple[dict, torch.Tensor, torch.Tensor]
     for variant, kw in VARIANTS.items():
         try:
             kw = {"precision": "mxfp8", "output_format": "mxfp8", **kw}
-            layer = FusedMLAQUpProjection(K, H, NOPE, ROPE, device=device, dtype=torch.bfloat16, **kw)
+            layer = FusedMLAQUpProjection(K, H, NOPE, ROPE, device=device, dtype=torch.bfloat16,
+                                          norm="rmsnorm" if NORM else None, **kw)
             with torch.no_grad():
                 layer.weight.copy_(w)
-                layer.norm_weight.copy_(g)
+                if NORM:
+                    layer.norm_weight.copy_(g)
             layers[variant] = layer
         except Exception as e:
             layers[variant] = e
@@ -633,7 +654,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="times every row is timed, round-robin (median reported)")
     p.add_argument("--accuracy-tokens", type=int, default=4096, help="T of the accuracy table (0 to skip)")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
+    p.add_argument("--shape", default="v3", choices=sorted(SHAPES),
+                   help="v3: DeepSeek-V3's query (RMSNorm, K 1536, 128 heads); v2-lite: DeepSeek-V2-Lite's norm-free "
+                   "q_proj (K 2048, 16 heads; no accuracy table)")
     args = p.parse_args(argv)
+    set_shape(args.shape)
+    if not NORM:
+        args.accuracy_tokens = 0  # its fp64 reference is the normed layer's
     if not torch.cuda.is_available():
         print("mla_qproj.bench: no CUDA GPU found; this benchmark needs one.", file=sys.stderr)
         return 2
@@ -662,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     acc = accuracy(layers, w, g, args.accuracy_tokens) if args.accuracy_tokens else []
     os.makedirs(args.out, exist_ok=True)
     png = plot(results, os.path.join(args.out, "bench.png"), env["device"])
-    meta = {"K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE, "q_head_dim": D, "N": N,
+    meta = {"shape": args.shape, "norm": NORM, "K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE, "q_head_dim": D,
+            "N": N,
             "warmup_ms": args.warmup, "rep_ms": args.rep, "rounds": args.rounds, "compile_mode": args.compile_mode,
             "forward_rows_under": "torch.no_grad()", "command": " ".join(["python -m mla_qproj.bench"] + (argv or
                                                                                                    sys.argv[1:])),

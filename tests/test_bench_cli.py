@@ -70,3 +70,27 @@ def test_host_cpu_profile_tool_runs(tmp_path):
         m = re.search(rf"composition's, {precision}: ([0-9.]+)", out.stdout)
         assert m and float(m.group(1)) > 0, out.stdout
     assert "eager unfused composition" in out.stdout
+
+
+def test_v2_lite_shape_builds_norm_free_rows():
+    """--shape v2-lite: every variant of our layer is built norm-free at DeepSeek-V2-Lite's query geometry (hidden
+    2048, 16 heads of 128 + 64), the peers' RMSNorm becomes the identity, and the forward and training rows exist;
+    the module's globals go back to V3 afterwards."""
+    from mla_qproj import bench
+
+    try:
+        bench.set_shape("v2-lite")
+        layers, w, g = bench.make_layers(torch.device("cpu"))
+        assert tuple(w.shape) == (16 * 192, 2048)
+        for variant, layer in layers.items():
+            assert not isinstance(layer, Exception), (variant, layer)
+            assert not layer.cfg.norm and layer.norm_weight is None, variant
+            assert (layer.cfg.q_lora_rank, layer.cfg.num_heads, layer.cfg.q_head_dim) == (2048, 16, 192), variant
+        x = torch.randn(4, 2048)
+        assert torch.equal(bench._rmsnorm_fp32(x, g), x)
+        names = {r.name for r in bench.make_rows(layers, "default")}
+        assert {"cublas_bf16_gemm", "unfused_fp8_block", "ours_fp8_block", "unfused_fp8_block_fwdbwd",
+                "ours_fp8_block_fwdbwd", "compiled_unfused_bf16_fwdbwd", "ours_mxfp8"} <= names
+    finally:
+        bench.set_shape("v3")
+    assert (bench.K, bench.H, bench.NORM) == (1536, 128, True)
