@@ -30,7 +30,6 @@ _OVERFLOW_AMAX = tl.constexpr(7.0 * 2.0**-122)
 T_PAD = 16  # transposed 128x1 codes [N, T_pad]: T_pad = round_up(T, T_PAD) (cuBLAS: 16-byte aligned rows)
 
 
-@triton.jit
 def block_scale_code(block_scale: str) -> int:
     """The kernels' BLOCK_SCALE constexpr: 0 "pow2", 1 "fp32", 2 "deepseek"."""
     return BLOCK_SCALES.index(check_block_scale(block_scale))
@@ -65,13 +64,7 @@ def fp8_block_scale(amax, BLOCK_SCALE: tl.constexpr):
     0x7F000000 - scale's (2^-k for k < 127; 1.0 for scale 1.0), raised to 0x400000 (2^-127) where that gives 0
     (k = 127). Special amaxes (0, inf, NaN; any sign bit) are those with bits - 1 >= 0x7F7FFFFF unsigned.
     "fp32" and "deepseek" divide with tl.math.div_rn (plain `/` is approximate on the GPU)."""
-    if BLOCK_SCALE == 2:
-        bits = amax.to(tl.int32, bitcast=True)
-        special = (amax == 0) | (((bits >> 23) & 0xFF) == 0xFF)  # 0, inf, NaN
-        scale_inv = tl.math.div_rn(tl.where(special, 0.0, amax), 448.0)
-        scale_inv = tl.where(scale_inv == 0, 1.0, scale_inv)
-        scale = scale_inv
-    elif BLOCK_SCALE == 0:
+    if BLOCK_SCALE == 0:
         bits = amax.to(tl.uint32, bitcast=True)
         special = (bits - 1) >= 0x7F7FFFFF  # 0, inf, NaN
         e = (bits + 0x1FFFFF) >> 23  # garbage only where special
@@ -81,12 +74,16 @@ def fp8_block_scale(amax, BLOCK_SCALE: tl.constexpr):
         scale_inv = tl.maximum(0x7F000000 - scale_bits, 0x400000).to(tl.float32, bitcast=True)
     else:
         bits = amax.to(tl.int32, bitcast=True)
-        exp = (bits >> 23) & 0xFF
-        special = (amax == 0) | (exp == 0xFF)  # 0, inf, NaN
-        overflow = amax <= _OVERFLOW_AMAX  # False for NaN
-        scale = tl.math.div_rn(448.0, tl.where(special | overflow, 1.0, amax))
-        scale = tl.where(special, 1.0, tl.where(overflow, _FLT_MAX, scale))
-        scale_inv = tl.math.div_rn(1.0, scale)
+        special = (amax == 0) | (((bits >> 23) & 0xFF) == 0xFF)  # 0, inf, NaN
+        if BLOCK_SCALE == 2:
+            scale_inv = tl.math.div_rn(tl.where(special, 0.0, amax), 448.0)
+            scale_inv = tl.where(scale_inv == 0, 1.0, scale_inv)
+            scale = scale_inv
+        else:
+            overflow = amax <= _OVERFLOW_AMAX  # False for NaN
+            scale = tl.math.div_rn(448.0, tl.where(special | overflow, 1.0, amax))
+            scale = tl.where(special, 1.0, tl.where(overflow, _FLT_MAX, scale))
+            scale_inv = tl.math.div_rn(1.0, scale)
     return scale, scale_inv
 
 

@@ -198,3 +198,20 @@ def test_fp32_and_deepseek_rules_differ():
     differ = (s_te != s_ds).float().mean().item()
     assert 0.05 < differ < 0.95, differ
     assert ((s_te - s_ds).abs() <= torch.finfo(torch.float32).eps * s_ds).all()
+
+
+def test_block_scale_code_is_host_code():
+    """The launchers map block_scale to the kernels' constexpr on the host: a plain function, also outside Triton's
+    interpreter (where a @triton.jit function called from Python raises; the CPU lane's interpreter would hide it)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from mla_qproj.kernels._fp8_block import block_scale_code;"
+            "print([block_scale_code(b) for b in ('pow2', 'fp32', 'deepseek')])")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[0, 1, 2]"
+    with pytest.raises(ValueError, match="block_scale"):
+        block_scale_code("e8m0")
