@@ -689,8 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     acc = accuracy(layers, w, g, args.accuracy_tokens) if args.accuracy_tokens else []
     os.makedirs(args.out, exist_ok=True)
     png = plot(results, os.path.join(args.out, "bench.png"), env["device"])
-    meta = {"shape": args.shape, "norm": NORM, "K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE, "q_head_dim": D,
-            "N": N,
+    meta = {"shape": args.shape, "norm": NORM, "K": K, "H": H, "qk_head_dim": NOPE, "rope_dim": ROPE,
+            "q_head_dim": D, "N": N,
             "warmup_ms": args.warmup, "rep_ms": args.rep, "rounds": args.rounds, "compile_mode": args.compile_mode,
             "forward_rows_under": "torch.no_grad()", "command": " ".join(["python -m mla_qproj.bench"] + (argv or
                                                                                                    sys.argv[1:])),
