@@ -1,6 +1,6 @@
 """The layer's forward and backward, independent of the GEMM precision (which the recipe supplies, recipes/), for
-both implementations (`use_triton`: the Triton kernels, or the pure-PyTorch reference) and with the tensor- and
-sequence-parallel communication of SPEC §6 (`par`, see distributed.py).
+either implementation of the recipe (the kernels or the pure-PyTorch reference, picked once per call by `select`)
+and with the tensor- and sequence-parallel communication of SPEC §6 (`par`, see distributed.py).
 
 Forward: RMSNorm + the recipe's quantization of xn -> [sequence parallel: all-gather the quantized xn] -> the
 recipe's GEMM with the RoPE + output epilogue. Backward, per head group (columns C_g of N): the recipe's inverse RoPE
@@ -15,8 +15,7 @@ import torch
 from ._config import QProjConfig, interpreter_enabled
 from ._constants import MX_BLOCK
 from .distributed import Parallel, RingGather, all_reduce_sum, reduce_scatter_rows
-from .recipes import PreparedWeight, get_recipe
-from .reference import qproj as ref
+from .recipes import PreparedWeight, Recipe, get_recipe
 
 
 def resolve_backend(backend: str, device: torch.device) -> bool:
@@ -27,6 +26,12 @@ def resolve_backend(backend: str, device: torch.device) -> bool:
     if backend == "triton" and not triton_ok:
         raise ValueError(f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (got device {device})")
     return triton_ok
+
+
+def select(cfg: QProjConfig, backend: str, device: torch.device) -> Recipe:
+    """The implementation of cfg's precision that runs for tensors on `device` under `backend` ("auto", "triton",
+    "torch"): the kernels or the reference."""
+    return get_recipe(cfg.precision, resolve_backend(backend, device))
 
 
 def fused_row_source(cfg: QProjConfig) -> torch.Tensor | None:
@@ -45,46 +50,45 @@ def fused_on(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, use_triton: bool, key: tuple,
+def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, recipe: Recipe, key: tuple,
                    src: torch.Tensor | None) -> PreparedWeight:
     """What the GEMMs read of W (the module caches it per weight version); src: `fused_row_source(cfg)`."""
     device = (weight[0] if isinstance(weight, tuple) else weight).device  # (codes, scale_inv): pre-quantized
-    fused = src if (use_triton and src is not None and fused_on(device)) else None
+    fused = src if (recipe.kernels and src is not None and fused_on(device)) else None
     if fused is not None and fused.device != device:
         fused = fused.to(device)
-    return get_recipe(cfg.precision).prepare_weight(weight, cfg, use_triton, key, fused)
+    return recipe.prepare_weight(weight, cfg, key, fused)
 
 
-def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, use_triton: bool,
+def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, recipe: Recipe,
             save: bool = True, par: Parallel | None = None):
     """Returns (the query's four outputs as `reference.qproj.quantize_output` lays them out, None for absent ones;
     rsigma; what the backward reads of xn). save=False (inference) skips the latter."""
-    recipe = get_recipe(cfg.precision)
-    rsigma, a, saved = recipe.norm_quant(x2d, norm_weight, cfg, use_triton, save)
+    rsigma, a, saved = recipe.norm_quant(x2d, norm_weight, cfg, save)
     if par is not None and par.sequence_parallel:
-        if overlap_ok(x2d.shape[0], pw, cfg, use_triton, par):
+        if overlap_ok(x2d.shape[0], pw, cfg, recipe, par):
             return _forward_overlapped(recipe, a, pw, cos_h, sin_h, cfg, par), rsigma, saved
-        a = recipe.gather_input(a, par, cfg, use_triton)
-    return recipe.forward_gemm(a, pw, cos_h, sin_h, cfg, use_triton), rsigma, saved
+        a = recipe.gather_input(a, par, cfg)
+    return recipe.forward_gemm(a, pw, cos_h, sin_h, cfg), rsigma, saved
 
 
-def overlap_ok(n: int, pw: PreparedWeight, cfg: QProjConfig, use_triton: bool, par: Parallel) -> bool:
+def overlap_ok(n: int, pw: PreparedWeight, cfg: QProjConfig, recipe: Recipe, par: Parallel) -> bool:
     """The sequence-parallel forward overlaps its gather with the GEMM (`tp_comm_overlap`) when the fused kernel
     runs eagerly (point-to-point steps with work handles, and launches writing each rank's rows into the query in
     place; traced graphs keep the functional all-gather), there is a peer, and rank edges fall on columnwise output
     blocks."""
-    return (par.overlap and par.world > 1 and n > 0 and use_triton and pw.get("fused") is not None
+    return (par.overlap and par.world > 1 and n > 0 and recipe.kernels and pw.get("fused") is not None
             and not (cfg.columnwise_output and n % MX_BLOCK) and not torch.compiler.is_compiling())
 
 
-def _forward_overlapped(recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, par: Parallel) -> tuple:
+def _forward_overlapped(recipe: Recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, par: Parallel) -> tuple:
     """Sequence-parallel forward with the gather in flight (a ring of point-to-point steps): the fused GEMM covers
     this rank's own tokens while the first peer's travel, then each peer's tokens as they arrive while the next
     peer's travel, every launch writing its rows of the query. Every launch uses the config of the whole gathered
     token count, so the bytes are those of one launch over all tokens (a row's result depends on that row only)."""
     from .kernels.qproj_gemm import _eager_outputs, default_config, output_rows, qproj_gemm_outputs
 
-    ring = RingGather(recipe.wire_input(a, cfg, True), par)
+    ring = RingGather(recipe.wire_input(a, cfg), par)
     n = a[0].shape[0]
     T = n * par.world
     outs = qproj_gemm_outputs(T, cfg, a[0])
@@ -96,7 +100,7 @@ def _forward_overlapped(recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjC
 
     launch(par.rank, a)
     for j, wire in ring:
-        launch(j, recipe.input_from_wire(wire, 1, cfg, True))
+        launch(j, recipe.input_from_wire(wire, 1, cfg))
     return _eager_outputs(outs)
 
 
@@ -117,32 +121,31 @@ def head_groups(T: int, cfg: QProjConfig) -> int:
 
 
 def backward(dq2d, x2d, rsigma, saved, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig,
-             use_triton: bool, main_grad: torch.Tensor | None = None, dw_dtype: torch.dtype = torch.float32,
+             recipe: Recipe, main_grad: torch.Tensor | None = None, dw_dtype: torch.dtype = torch.float32,
              par: Parallel | None = None, need_dw: bool = True):
     """Returns (dx, dnorm_weight, dW in dw_dtype rounded once from the fp32 sum, or None when accumulated into
     main_grad or not needed: need_dw False skips the wgrad GEMMs, a frozen weight). With sequence parallelism dq2d
     covers every rank's tokens and x2d this rank's."""
-    recipe = get_recipe(cfg.precision)
     sp = par is not None and par.sequence_parallel
     gather = sp and need_dw  # the saved xn of every rank: only the wgrad reads it
     if gather:  # in flight while the first group's inverse RoPE and dgrad run; waited on by its wgrad
-        pending = recipe.start_gather_saved(saved, par, cfg, use_triton)
+        pending = recipe.start_gather_saved(saved, par, cfg)
     T, N = dq2d.shape
-    groups = head_groups(T, cfg) if use_triton else 1
+    groups = head_groups(T, cfg) if recipe.kernels else 1
     ng, gcfg = N // groups, cfg.with_heads(cfg.num_heads // groups)
     dw = None if main_grad is not None or not need_dw else torch.empty(N, cfg.q_lora_rank, dtype=dw_dtype,
                                                                        device=dq2d.device)
     dxn = None
     for g in range(groups):
         cols = slice(g * ng, (g + 1) * ng)
-        g_row, g_col = recipe.grad_operands(dq2d[:, cols], cos_h, sin_h, gcfg, use_triton)
-        dxn = recipe.dgrad(g_row, pw, cols, cfg, use_triton, dxn)
+        g_row, g_col = recipe.grad_operands(dq2d[:, cols], cos_h, sin_h, gcfg)
+        dxn = recipe.dgrad(g_row, pw, cols, cfg, dxn)
         del g_row  # [T, N / groups]: freed before the wgrad (lower peak memory)
         if gather and g == 0:
-            saved = recipe.gathered_saved(pending, par, cfg, use_triton)
+            saved = recipe.gathered_saved(pending, par, cfg)
         if need_dw:
             out = main_grad[cols] if main_grad is not None else dw[cols]
-            recipe.wgrad(g_col, saved, cols, cfg, use_triton, out, accumulate=main_grad is not None)
+            recipe.wgrad(g_col, saved, cols, cfg, out, accumulate=main_grad is not None)
         del g_col
     if par is not None:  # dxn holds this rank's heads' share: sum it over the group (fp32)
         dxn = reduce_scatter_rows(dxn, par) if sp else all_reduce_sum(dxn, par)
@@ -151,17 +154,9 @@ def backward(dq2d, x2d, rsigma, saved, norm_weight, pw: PreparedWeight, cos_h, s
     # with sequence parallelism dnorm_weight covers this rank's tokens: summed over the group in fp32 (a parameter
     # marked `sequence_parallel`, Megatron's convention, is left to the trainer, which reduces such gradients)
     reduce_dg = sp and not getattr(norm_weight, "sequence_parallel", False)
-    dx, dg = rmsnorm_bwd(dxn, x2d, rsigma, norm_weight.float() if reduce_dg else norm_weight, cfg.zero_centered_gamma,
-                         use_triton)
+    dx, dg = recipe.rmsnorm_bwd(dxn, x2d, rsigma, norm_weight.float() if reduce_dg else norm_weight,
+                                cfg.zero_centered_gamma)
     if reduce_dg:
         dg = all_reduce_sum(dg, par).to(norm_weight.dtype)
     return dx, dg, dw
 
-
-def rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, zero_centered_gamma: bool, use_triton: bool):
-    """(dx in x's dtype, dnorm_weight in the parameter's dtype) from dxn fp32 [T, K]."""
-    if not use_triton:
-        return ref.rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)
-    from .kernels.rmsnorm_bwd import rmsnorm_bwd_op
-
-    return rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)

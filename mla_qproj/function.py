@@ -17,6 +17,7 @@ from torch.autograd.function import once_differentiable
 from . import backend
 from ._config import QProjConfig
 from .distributed import Parallel
+from .recipes import Recipe
 from .tensor import MXFP8Tensor
 
 
@@ -28,7 +29,7 @@ def query_shape(x: torch.Tensor, cfg: QProjConfig, par: Parallel | None) -> tupl
     return lead + (cfg.num_heads, cfg.q_head_dim)
 
 
-def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool, save: bool = True,
+def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, recipe: Recipe, save: bool = True,
                   par: Parallel | None = None):
     """The forward math and the query object: (q, x2d, rsigma, saved). Shared by the autograd Function and the
     module's no-grad call (save=False: it skips the Function's bookkeeping, host time at small T, and what only the
@@ -38,7 +39,7 @@ def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     with torch.autocast(x.device.type, enabled=False):  # the precision is the layer's, not autocast's
-        (rd, rs, cd, cs), rsigma, saved = backend.forward(x2d, norm_weight, pw, cos_h, sin_h, cfg, use_triton, save,
+        (rd, rs, cd, cs), rsigma, saved = backend.forward(x2d, norm_weight, pw, cos_h, sin_h, cfg, recipe, save,
                                                           par)
     qshape = query_shape(x, cfg, par)
     if cfg.output_format == "bf16":
@@ -61,14 +62,14 @@ def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton
 
 class _FusedMLAQUpProjFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, weight, cos_h, sin_h, pw, cfg: QProjConfig, use_triton: bool,
+    def forward(ctx, x, norm_weight, weight, cos_h, sin_h, pw, cfg: QProjConfig, recipe: Recipe,
                 par: Parallel | None):
         # what only the wgrad reads of xn is made and kept only when the weight takes a gradient (a frozen or
         # pre-quantized weight: the backward skips the wgrad)
-        q, x2d, rsigma, saved = forward_query(x, norm_weight, cos_h, sin_h, pw, cfg, use_triton,
+        q, x2d, rsigma, saved = forward_query(x, norm_weight, cos_h, sin_h, pw, cfg, recipe,
                                               ctx.needs_input_grad[2], par)
         ctx.save_for_backward(x2d, rsigma, norm_weight, cos_h, sin_h, *saved)
-        ctx.pw, ctx.cfg, ctx.use_triton, ctx.x_shape, ctx.par = pw, cfg, use_triton, x.shape, par
+        ctx.pw, ctx.cfg, ctx.recipe, ctx.x_shape, ctx.par = pw, cfg, recipe, x.shape, par
         ctx.weight = weight  # a parameter (no copy): used for main_grad and dtype in backward
         return q
 
@@ -86,7 +87,7 @@ class _FusedMLAQUpProjFunction(torch.autograd.Function):
         main_grad = getattr(weight, "main_grad", None) if ctx.needs_input_grad[2] else None
         with torch.autocast(dq.device.type, enabled=False):
             dx, dg, dw = backend.backward(dq2d, x2d, rsigma, tuple(saved), norm_weight, ctx.pw, cos_h, sin_h, cfg,
-                                          ctx.use_triton, main_grad=main_grad, dw_dtype=weight.dtype, par=ctx.par,
+                                          ctx.recipe, main_grad=main_grad, dw_dtype=weight.dtype, par=ctx.par,
                                           need_dw=ctx.needs_input_grad[2])
         if dw is None:  # Megatron convention: accumulated into weight.main_grad
             if hasattr(weight, "grad_added_to_main_grad"):

@@ -14,7 +14,7 @@ from ._config import BACKENDS, QProjConfig, validate_choice
 from ._constants import FLOAT_DTYPES
 from .distributed import Parallel
 from .function import _FusedMLAQUpProjFunction, forward_query, query_shape
-from .recipes import get_recipe
+from .recipes import Recipe, get_recipe
 from .reference.rope import half_table, normalize_rope_scaling, rope_inv_freq
 
 _ACT_DTYPES = FLOAT_DTYPES
@@ -286,7 +286,7 @@ class FusedMLAQUpProjection(nn.Module):
         kernel outside torch (in-place torch ops and torch.optim steps are detected)."""
         self._wcache = None
 
-    def _prepared_weight(self, use_triton: bool) -> _backend.PreparedWeight:
+    def _prepared_weight(self, recipe: Recipe) -> _backend.PreparedWeight:
         w = self.weight
         si = self.weight_scale_inv
         if si is not None:  # pre-quantized: its codes and scale_inv as they are
@@ -294,14 +294,14 @@ class FusedMLAQUpProjection(nn.Module):
         if torch.compiler.is_compiling():
             # under torch.compile the weight's quantization is part of the graph, every call: a Python-side
             # cache would be baked into the graph (stale after an update) or break it
-            return _backend.prepare_weight(w, self.cfg, use_triton, (), self._fused_src)
+            return _backend.prepare_weight(w, self.cfg, recipe, (), self._fused_src)
         # _version moves with in-place torch ops; _weight_epoch with torch.optim steps (fused ones included);
         # the storage pointer with re-assignment of .data or a new Parameter
         wt = self.weight
-        key = (wt._version, self._weight_epoch, wt.data_ptr(), wt.dtype, wt.device, tuple(wt.shape), use_triton,
+        key = (wt._version, self._weight_epoch, wt.data_ptr(), wt.dtype, wt.device, tuple(wt.shape), recipe.kernels,
                None if si is None else (si._version, si.data_ptr()))
         if self._wcache is None or self._wcache.key != key:
-            self._wcache = _backend.prepare_weight(w, self.cfg, use_triton, key, self._fused_src)
+            self._wcache = _backend.prepare_weight(w, self.cfg, recipe, key, self._fused_src)
         return self._wcache
 
     def _pair_tables(self, x: torch.Tensor, lead: torch.Size, cos, sin,
@@ -410,9 +410,9 @@ class FusedMLAQUpProjection(nn.Module):
             self._check_sequence_parallel(x, needs_grad)
         lead = torch.Size(query_shape(x, self.cfg, par)[:-2])
         cos_h, sin_h = self._pair_tables(x, lead, cos, sin, position_ids)
-        use_triton = _backend.resolve_backend(self.backend, x.device)
-        pw = self._prepared_weight(use_triton)
+        recipe = _backend.select(self.cfg, self.backend, x.device)  # the kernels or the reference, once per call
+        pw = self._prepared_weight(recipe)
         if not needs_grad and not torch.compiler.is_compiling():  # inference: no autograd bookkeeping
-            return forward_query(x, self.norm_weight, cos_h, sin_h, pw, self.cfg, use_triton, False, par)[0]
+            return forward_query(x, self.norm_weight, cos_h, sin_h, pw, self.cfg, recipe, False, par)[0]
         return _FusedMLAQUpProjFunction.apply(x, self.norm_weight, self.weight, cos_h, sin_h, pw, self.cfg,
-                                              use_triton, par)
+                                              recipe, par)

@@ -21,9 +21,9 @@ class _QuantizeSTE(torch.autograd.Function):
     """Straight-through: the gradient of the quantized tensor passes to the input unchanged."""
 
     @staticmethod
-    def forward(ctx, t, rowwise, columnwise, scale_mode, use_triton):
+    def forward(ctx, t, rowwise, columnwise, scale_mode, kernels):
         x2d = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
-        if use_triton:
+        if kernels:
             from .kernels.mxfp8_quant import mxfp8_quantize_2d_op
 
             rd, rs, cd, cs = mxfp8_quantize_2d_op(x2d, rowwise, columnwise, scale_mode)
@@ -81,8 +81,8 @@ def mxfp8_quantize(t: torch.Tensor, rowwise: bool = True, columnwise: bool = Fal
     if rowwise and t.shape[-1] % MX_BLOCK:
         raise ValueError(f"rowwise quantization needs the last dimension of t to be a multiple of {MX_BLOCK}, "
                          f"got {t.shape[-1]}")
-    use_triton = _backend.resolve_backend(backend, t.device)
-    return _QuantizeSTE.apply(t, rowwise, columnwise, scale_mode, use_triton)
+    kernels = _backend.resolve_backend(backend, t.device)
+    return _QuantizeSTE.apply(t, rowwise, columnwise, scale_mode, kernels)
 
 
 def fp8_block_quantize(t: torch.Tensor, block_shape: tuple[int, int] = (1, 128), block_scale: str = "pow2",

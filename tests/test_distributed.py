@@ -250,17 +250,17 @@ def test_overlapped_forward_in_one_process(precision, fmt, col, device):
     w = (torch.randn(cfg.out_features, k, device=device) * k**-0.5).to(torch.bfloat16)
     ang = torch.rand(T, r // 2, device=device) * 6
     cos_h, sin_h = ang.cos(), ang.sin()
-    pw = _backend.prepare_weight(w, cfg, True, (), _backend.fused_row_source(cfg))
+    recipe = get_recipe(precision, kernels=True)
+    pw = _backend.prepare_weight(w, cfg, recipe, (), _backend.fused_row_source(cfg))
     assert pw.get("fused") is not None, "the fused kernel covers this geometry"
-    recipe = get_recipe(precision)
-    whole = _backend.forward(x, nw, pw, cos_h, sin_h, cfg, True, save=False)[0]
-    wires = [recipe.wire_input(recipe.norm_quant(x[j * n:(j + 1) * n], nw, cfg, True, False)[1], cfg, True)
+    whole = _backend.forward(x, nw, pw, cos_h, sin_h, cfg, recipe, save=False)[0]
+    wires = [recipe.wire_input(recipe.norm_quant(x[j * n:(j + 1) * n], nw, cfg, False)[1], cfg)
              for j in range(world)]
     for rank in range(world):
         par = Parallel(None, world, rank, True, True)
         with (mock.patch.object(_backend, "RingGather", _fake_ring(wires, rank)),
               mock.patch.object(_backend, "_forward_overlapped", wraps=_backend._forward_overlapped) as over):
-            got = _backend.forward(x[rank * n:(rank + 1) * n], nw, pw, cos_h, sin_h, cfg, True, save=False,
+            got = _backend.forward(x[rank * n:(rank + 1) * n], nw, pw, cos_h, sin_h, cfg, recipe, save=False,
                                    par=par)[0]
         assert over.call_count == 1, "the overlapped forward ran"
         for i, (g, want) in enumerate(zip(got, whole, strict=True)):

@@ -5,7 +5,9 @@ checks, allocations, tensor descriptors, the query object). Triton's launch itse
 
 Beside it, in the same run, the eager unfused composition a user would otherwise call (RMSNorm, Linear, DeepSeek
 RoPE in plain torch ops, as HF transformers writes them) on tensors small enough that its time is its host time: the
-ratio is the layer's host cost against the composition's.
+ratio is the layer's host cost against the composition's. Forward + backward is timed the same way at the
+composition's small geometry (every Triton kernel stubbed, a bf16 query; the GEMMs that torch runs on the CPU at that
+size cost about what the composition's Linear does), against the composition's forward + backward under autograd.
 
     python tools/host_cpu_profile.py [--profile]
 """
@@ -26,7 +28,6 @@ import torch  # noqa: E402
 from mla_qproj import FusedMLAQUpProjection  # noqa: E402
 from mla_qproj._constants import DEEPSEEK_V3  # noqa: E402
 from mla_qproj.kernels import qproj_gemm as qg  # noqa: E402
-from mla_qproj.kernels import rmsnorm_fp8_block as r8  # noqa: E402
 from mla_qproj.kernels import rmsnorm_quant as rq  # noqa: E402
 from mla_qproj.recipes.base import PreparedWeight  # noqa: E402
 
@@ -64,7 +65,7 @@ def _layer(precision: str) -> FusedMLAQUpProjection:
         pw = PreparedWeight((), {"wq": wq, "ws": ws, "fused": fused, "fused_sinv": fused_sinv})
     else:
         pw = PreparedWeight((), {"fused": torch.zeros(qg.fused_layout(cfg)[2], K, dtype=torch.bfloat16)})
-    layer._prepared_weight = lambda use_triton: pw
+    layer._prepared_weight = lambda recipe: pw
     return layer
 
 
@@ -81,16 +82,49 @@ def composition(x, g, w, cos, sin, H: int, P: int, R: int):
     return torch.cat((q_nope, q_pe * c + rot * s), dim=-1)
 
 
+def _stub_all_kernels() -> None:
+    """Every Triton kernel of the package (`*_kernel` JIT functions, in every module that holds a name for one)
+    becomes a no-op launch."""
+    import importlib
+    import pkgutil
+
+    import triton
+
+    import mla_qproj.kernels as kp
+
+    for m in pkgutil.iter_modules(kp.__path__):
+        if m.ispkg:
+            continue
+        mod = importlib.import_module(f"mla_qproj.kernels.{m.name}")
+        for name, obj in list(vars(mod).items()):
+            if name.endswith("_kernel") and isinstance(obj, triton.runtime.jit.JITFunction):
+                setattr(mod, name, _NoLaunch())
+
+
+def fwd_bwd_host(t: int, k: int, h: int, p: int, r: int) -> dict[str, float]:
+    """us per forward + backward: the layer (both precisions, bf16 query, kernels stubbed) and the composition."""
+    torch.manual_seed(0)
+    xs = torch.randn(t, k).to(torch.bfloat16).requires_grad_(True)
+    gs = torch.ones(k, dtype=torch.bfloat16, requires_grad=True)
+    ws = torch.randn(h * (p + r), k).to(torch.bfloat16).requires_grad_(True)
+    cs, ss = torch.randn(t, r), torch.randn(t, r)
+    dy = torch.randn(t, h, p + r).to(torch.bfloat16)
+
+    def comp():
+        composition(xs, gs, ws, cs, ss, h, p, r).backward(dy)
+
+    got = {"composition": per_call_us(comp, n=500)}
+    for prec in ("mxfp8", "fp8_block"):
+        layer = FusedMLAQUpProjection(k, h, p, r, dtype=torch.bfloat16, precision=prec, output_format="bf16")
+        got[prec] = per_call_us(lambda layer=layer: layer(xs, cs, ss).backward(dy), n=500)
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true", help="also print a cProfile of the layers' forward")
     args = ap.parse_args()
-    qg._qproj_gemm_fwd_kernel = _NoLaunch()
-    rq._rmsnorm_quant_fwd_kernel = _NoLaunch()
-    rq._rsigma_kernel = _NoLaunch()
-    r8._rsigma_kernel = _NoLaunch()
-    r8._rmsnorm_fp8_block_kernel = _NoLaunch()
-    r8._rmsnorm_fp8_block_packed_kernel = _NoLaunch()
+    _stub_all_kernels()
     x = torch.randn(T, K).to(torch.bfloat16)
     cos, sin = torch.randn(T, R), torch.randn(T, R)
     layers = {p: _layer(p) for p in ("mxfp8", "fp8_block")}
@@ -115,6 +149,12 @@ def main() -> None:
         for p_, layer in layers.items():
             ours = per_call_us(lambda layer=layer: layer(x, cos, sin), n=500)
             print(f"  layer forward host time / composition's, {p_}: {ours / comp:.2f}")
+    fb = fwd_bwd_host(16, 128, 2, 32, 32)
+    print(f"eager unfused composition forward + backward (16 tokens, K = 128): {fb['composition']:.1f} us/call")
+    for p_ in ("mxfp8", "fp8_block"):
+        print(f"  layer forward + backward ({p_}, bf16 query, same geometry, kernels stubbed): {fb[p_]:.1f} us/call,"
+              f" {fb[p_] / fb['composition']:.2f} x the composition's")
+    with torch.no_grad():
         if args.profile:
             for p, layer in layers.items():
                 print(f"--- {p}")

@@ -1,16 +1,20 @@
-"""GEMM precisions ("recipes") of the layer: `get_recipe(precision)`; see base.Recipe for the interface."""
+"""GEMM precisions ("recipes") of the layer, each in two implementations behind one interface (base.Recipe): the
+kernels and the PyTorch reference. `get_recipe(precision, kernels)` picks one."""
 
 from __future__ import annotations
 
-from .base import PreparedWeight, Recipe
-from .fp8_block import FP8Block
-from .images import BF16, MXFP8
+from .base import Kernels, PreparedWeight, Recipe, Reference
+from .fp8_block import FP8BlockKernels, FP8BlockReference
+from .images import BF16Kernels, BF16Reference, MXFP8Kernels, MXFP8Reference
 
-RECIPES: dict[str, Recipe] = {r.name: r for r in (MXFP8(), BF16(), FP8Block())}
-
-
-def get_recipe(precision: str) -> Recipe:
-    return RECIPES[precision]
+RECIPES: dict[tuple[str, bool], Recipe] = {
+    (r.name, r.kernels): r for r in (MXFP8Reference(), MXFP8Kernels(), BF16Reference(), BF16Kernels(),
+                                     FP8BlockReference(), FP8BlockKernels())}
 
 
-__all__ = ["PreparedWeight", "Recipe", "RECIPES", "get_recipe"]
+def get_recipe(precision: str, kernels: bool = True) -> Recipe:
+    """The recipe of `precision`: its kernel implementation, or (kernels=False) its PyTorch reference."""
+    return RECIPES[(precision, kernels)]
+
+
+__all__ = ["Kernels", "PreparedWeight", "Recipe", "Reference", "RECIPES", "get_recipe"]

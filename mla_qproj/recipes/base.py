@@ -5,10 +5,11 @@ module), how RMSNorm's output becomes the forward GEMM's input and what of it ba
 how the query's gradient becomes the backward GEMMs' operands. The precision-independent flow (RMSNorm backward, the
 head-group walk of the backward, tensor/sequence-parallel communication, the query object) lives in `backend`.
 
-Every method takes `use_triton`: True runs the Triton kernels (and cuBLAS where a recipe says so), False the
-pure-PyTorch reference in `mla_qproj/reference/`; both compute the same function (quantization bytes identical,
-GEMMs up to the fp32 summation order). Operands travel as tuples of tensors so that the flow can gather, slice and
-save them without knowing their layout.
+Each precision has two implementations of the interface, chosen once per call (`recipes.get_recipe`): the
+kernels (`kernels = True`: Triton, the CuTe DSL engine and cuBLAS where the recipe says so) and the pure-PyTorch
+reference in `mla_qproj/reference/` (`kernels = False`). Both compute the same function (quantization bytes
+identical, GEMMs up to the fp32 summation order). Operands travel as tuples of tensors so that the flow can gather,
+slice and save them without knowing their layout, which is the implementation's own.
 """
 
 from __future__ import annotations
@@ -53,39 +54,45 @@ class Recipe:
     "fp8_block" codes), which fixes the row order of its weight."""
 
     name: ClassVar[str]
+    kernels: ClassVar[bool]  # True: the GPU kernels (the interpreter on the CPU); False: the PyTorch reference
     col_block: ClassVar[int] = 1
     n_align: ClassVar[int] = 1
     fused_operands: ClassVar[str] = "bf16"
 
-    def prepare_weight(self, w: torch.Tensor, cfg: QProjConfig, use_triton: bool, key: tuple,
+    def rmsnorm_bwd(self, dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
+                    zero_centered_gamma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dx in x's dtype, dnorm_weight in the parameter's dtype) from dxn fp32 [T, K] (precision-independent)."""
+        raise NotImplementedError
+
+    def prepare_weight(self, w: torch.Tensor, cfg: QProjConfig, key: tuple,
                        src: torch.Tensor | None) -> PreparedWeight:
         """src: the fused GEMM's row order (`kernels.qproj_gemm.fused_row_source`) when it runs, else None."""
         raise NotImplementedError
 
-    def norm_quant(self, x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: QProjConfig, use_triton: bool,
+    def norm_quant(self, x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: QProjConfig,
                    save: bool) -> tuple[torch.Tensor, Operands, Operands]:
         """RMSNorm and the forward GEMM's input: (rsigma fp32 [T], GEMM input, what wgrad reads of xn); the last is
         empty when save is False (inference)."""
         raise NotImplementedError
 
     def forward_gemm(self, a: Operands, pw: PreparedWeight, cos_h: torch.Tensor, sin_h: torch.Tensor,
-                     cfg: QProjConfig, use_triton: bool) -> tuple:
+                     cfg: QProjConfig) -> tuple:
         """The query: (bf16 [T, H, D], None, None, None) or (row data, row scale, col data | None, col scale | None)
         as `reference.qproj.quantize_output` lays them out."""
         raise NotImplementedError
 
-    def grad_operands(self, dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: QProjConfig,
-                      use_triton: bool) -> tuple[Operands, Operands]:
+    def grad_operands(self, dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: QProjConfig
+                       ) -> tuple[Operands, Operands]:
         """Inverse RoPE of dq2d [T, cfg.out_features] (a run of whole heads: cfg has their count), then (dgrad
         operand, wgrad operand)."""
         raise NotImplementedError
 
-    def dgrad(self, g_row: Operands, pw: PreparedWeight, cols: slice, cfg: QProjConfig, use_triton: bool,
+    def dgrad(self, g_row: Operands, pw: PreparedWeight, cols: slice, cfg: QProjConfig,
               dxn: torch.Tensor | None) -> torch.Tensor:
         """dxn [T, K] fp32 (+)= g_row · W[cols]: a new tensor when dxn is None, else accumulated into it."""
         raise NotImplementedError
 
-    def wgrad(self, g_col: Operands, saved: Operands, cols: slice, cfg: QProjConfig, use_triton: bool,
+    def wgrad(self, g_col: Operands, saved: Operands, cols: slice, cfg: QProjConfig,
               out: torch.Tensor, accumulate: bool) -> None:
         """out [len(cols), K] = g_col^T · xn (rounded once to out's dtype), or += when accumulate (main_grad)."""
         raise NotImplementedError
@@ -101,25 +108,46 @@ class Recipe:
     # that work not reading it runs while it travels. Defaults: every operand is token-major ([T, ...]) and travels
     # as it is.
 
-    def wire_input(self, a: Operands, cfg: QProjConfig, use_triton: bool) -> tuple[torch.Tensor, ...]:
+    def wire_input(self, a: Operands, cfg: QProjConfig) -> tuple[torch.Tensor, ...]:
         """What crosses the ranks of this rank's GEMM input a: tensors whose first dimension is gathered."""
         return a
 
-    def input_from_wire(self, w: tuple[torch.Tensor, ...], ranks: int, cfg: QProjConfig, use_triton: bool) -> Operands:
+    def input_from_wire(self, w: tuple[torch.Tensor, ...], ranks: int, cfg: QProjConfig) -> Operands:
         """The GEMM input of the tokens of `ranks` consecutive ranks from their `wire_input` tensors, each rank's
         stacked along the first dimension in rank order (an all-gather's layout)."""
         return w
 
-    def gather_input(self, a: Operands, par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
+    def gather_input(self, a: Operands, par: Parallel, cfg: QProjConfig) -> Operands:
         """The GEMM input of every rank's tokens, in rank order."""
-        w = tuple(gather_rows(t, par) for t in self.wire_input(a, cfg, use_triton))
-        return self.input_from_wire(w, par.world, cfg, use_triton)
+        w = tuple(gather_rows(t, par) for t in self.wire_input(a, cfg))
+        return self.input_from_wire(w, par.world, cfg)
 
-    def start_gather_saved(self, saved: Operands, par: Parallel, cfg: QProjConfig,
-                           use_triton: bool) -> tuple[Gather, ...]:
+    def start_gather_saved(self, saved: Operands, par: Parallel, cfg: QProjConfig) -> tuple[Gather, ...]:
         """Start the all-gather of what wgrad reads of xn."""
         return start_gathers(saved, par)
 
-    def gathered_saved(self, g: tuple[Gather, ...], par: Parallel, cfg: QProjConfig, use_triton: bool) -> Operands:
+    def gathered_saved(self, g: tuple[Gather, ...], par: Parallel, cfg: QProjConfig) -> Operands:
         """What wgrad reads of xn, for every rank's tokens (from g = `start_gather_saved`)."""
         return tuple(wait_gathered(t) for t in g)
+
+
+class Reference(Recipe):
+    """What every reference implementation shares: the pure-PyTorch RMSNorm backward."""
+
+    kernels = False
+
+    def rmsnorm_bwd(self, dxn, x2d, rsigma, norm_weight, zero_centered_gamma):
+        from ..reference import qproj as ref
+
+        return ref.rmsnorm_bwd(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)
+
+
+class Kernels(Recipe):
+    """What every kernel implementation shares: the Triton RMSNorm backward."""
+
+    kernels = True
+
+    def rmsnorm_bwd(self, dxn, x2d, rsigma, norm_weight, zero_centered_gamma):
+        from ..kernels.rmsnorm_bwd import rmsnorm_bwd_op
+
+        return rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)

@@ -8,7 +8,8 @@ scale per 1x128 / 128x1 block or 128x128 tile, fp32 accumulation promoted once p
     wgrad    dW  [N, K] = dy(128x1 along T)^T @ xn(128x1 along T)  cuBLAS blockwise (1x128 x 1x128 along T)
 
 W is quantized once per version; the same tiles serve forward (in the fused kernel's row order) and dgrad (as the
-transposed codes cuBLAS wants). Off sm_90 / on the CPU the GEMMs run as `reference.fp8_block.block_scaled_mm`.
+transposed codes cuBLAS wants). Off sm_90 / on the CPU the kernels' GEMMs run as `reference.fp8_block.block_scaled_mm`.
+`FP8BlockReference` is the same recipe in PyTorch ops, `FP8BlockKernels` runs the kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..distributed import Parallel, rows_to_cols
 from ..kernels.cute import fp8_gemm as cute_gemm
 from ..reference import fp8_block as ref8
 from ..reference import qproj as ref
-from .base import PreparedWeight, Recipe
+from .base import Kernels, PreparedWeight, Reference
 from .images import query_outputs, reference_query, rope_epilogue
 
 
@@ -31,68 +32,91 @@ def cublas_blockwise(device: torch.device, *reductions: int) -> bool:
             and all(r % (4 * FP8_BLOCK) == 0 for r in reductions))
 
 
-class FP8Block(Recipe):
+class _FP8Block:
+    """The recipe's geometry, shared by both implementations."""
+
     name = "fp8_block"
     col_block = FP8_BLOCK
     n_align = FP8_BLOCK
     fused_operands = "fp8_block"
 
-    # ---------------------------------------------------------------------------------------------- weight
 
-    def prepare_weight(self, w, cfg, use_triton, key, src):
+class FP8BlockReference(_FP8Block, Reference):
+    """Operands token-major: GEMM input (codes [T, K], scale_inv [T, K/128]); saved xn (codes [T, K], scale_inv
+    [T/128, K]); the query gradient's (codes [T, n], scale_inv [T, n/128]) and (codes [T, n], scale_inv [T/128, n])."""
+
+    def prepare_weight(self, w, cfg, key, src):
         if isinstance(w, tuple):  # pre-quantized (a checkpoint's E4M3 codes [N, K] and 128x128 scale_inv) as it is
             wq, ws = w[0].detach().contiguous(), w[1].detach().float().contiguous()
-            if not use_triton:
-                return PreparedWeight(key, {"wq": wq, "ws": ws})
         else:
-            w = w.detach()
-            bs = cfg.block_scale
-            if not use_triton:
-                wq, ws = ref8.prepare_weight_fp8_block(w, bs)
-                return PreparedWeight(key, {"wq": wq, "ws": ws})
+            wq, ws = ref8.prepare_weight_fp8_block(w.detach(), cfg.block_scale)
+        return PreparedWeight(key, {"wq": wq, "ws": ws})
+
+    def norm_quant(self, x2d, norm_weight, cfg, save):
+        bs = cfg.block_scale
+        xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
+        xn = ref8.canonical_nan(xn)
+        a = ref8.quantize_blocks(xn, (1, FP8_BLOCK), bs)  # codes [T, K], scale_inv [T, K/128]
+        return rsigma, a, ref8.quantize_blocks(xn, (FP8_BLOCK, 1), bs) if save else ()
+
+    def forward_gemm(self, a, pw, cos_h, sin_h, cfg):
+        ad, asv = a
+        return reference_query(ref8.block_scaled_mm(ad, asv, pw["wq"], pw["ws"], 1, FP8_BLOCK), cos_h, sin_h, cfg)
+
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
+        dr, drs, dc, dcs = ref8.grad_operands_fp8_block(dq2d, cos_h, sin_h, cfg, cfg.block_scale)
+        return (dr, drs), (dc, dcs)
+
+    def dgrad(self, g_row, pw, cols, cfg, dxn):
+        dr, drs = g_row
+        part = ref8.block_scaled_mm(dr, drs, pw["wq"][cols].t(), pw["ws"][_blocks(cols)].t(), 1, FP8_BLOCK)
+        return part if dxn is None else dxn.add_(part)
+
+    def wgrad(self, g_col, saved, cols, cfg, out, accumulate):
+        (dc, dcs), (xc, xcs) = g_col, saved
+        _store(out, ref8.block_scaled_mm(dc.t(), dcs.t(), xc.t(), xcs.t(), 1, 1), accumulate)
+
+
+class FP8BlockKernels(_FP8Block, Kernels):
+    """Operands as the kernels lay them out: GEMM input (codes [T, K], scale_inv M-major [K/128, T]); saved xn
+    (codes transposed [K, T_pad], scale_inv [T/128, K]); the query gradient's (codes [T, n], scale_inv M-major
+    [n/128, T]) and (codes transposed [n, T_pad], scale_inv [T/128, n]). Padding codes are zero."""
+
+    def prepare_weight(self, w, cfg, key, src):
+        """src: the Triton fused GEMM's row order, or None (then the fused kernel does not run)."""
+        if isinstance(w, tuple):  # pre-quantized, as it is
+            wq, ws = w[0].detach().contiguous(), w[1].detach().float().contiguous()
+        else:
             from ..kernels.fp8_block_quant import fp8_block_quantize_op
 
-            wq, ws = fp8_block_quantize_op(w, FP8_BLOCK, FP8_BLOCK, bs)  # [N, K] codes, [N/128, K/128] scale_inv
-        w = wq
+            # [N, K] codes, [N/128, K/128] scale_inv
+            wq, ws = fp8_block_quantize_op(w.detach(), FP8_BLOCK, FP8_BLOCK, cfg.block_scale)
         tensors = {"wq": wq, "ws": ws}
-        if src is not None and not cute_gemm.serves(cfg, w.device):  # the Triton GEMM's row order, per-row scale_inv
+        if src is not None and not cute_gemm.serves(cfg, wq.device):  # the Triton GEMM's row order, per-row scale
             from ..kernels.qproj_gemm import prepare_fused_weight_fp8
 
             tensors["fused"], tensors["fused_sinv"] = prepare_fused_weight_fp8(wq, ws, cfg, src)
-        if cublas_blockwise(w.device, cfg.out_features):
+        if cublas_blockwise(wq.device, cfg.out_features):
             tensors["wq_t"] = wq.t().contiguous()  # [K, N]: dgrad's B operand, column-major as cuBLAS wants
             tensors["ws_t"] = ws.t().contiguous()  # [K/128, N/128]
         return PreparedWeight(key, tensors)
 
-    # --------------------------------------------------------------------------------------------- forward
-
-    def norm_quant(self, x2d, norm_weight, cfg, use_triton, save):
-        bs = cfg.block_scale
-        if not use_triton:
-            xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
-            xn = ref8.canonical_nan(xn)
-            a = ref8.quantize_blocks(xn, (1, FP8_BLOCK), bs)  # codes [T, K], scale_inv [T, K/128]
-            return rsigma, a, ref8.quantize_blocks(xn, (FP8_BLOCK, 1), bs) if save else ()
+    def norm_quant(self, x2d, norm_weight, cfg, save):
         from ..kernels._op import encoded
         from ..kernels.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd_op
         from .base import norm_arg
 
         rsigma, ad, asv, cd, cs = rmsnorm_fp8_block_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
-        # a: codes [T, K], scale_inv M-major [K/128, T]; saved: codes transposed [K, T_pad], scale_inv [T/128, K]
         return rsigma, (ad, asv), (cd, cs) if save else ()
 
-    def forward_gemm(self, a, pw, cos_h, sin_h, cfg, use_triton):
+    def forward_gemm(self, a, pw, cos_h, sin_h, cfg):
+        from ..kernels._op import encoded
+
         ad, asv = a
         T = ad.shape[0]
-        if not use_triton:
-            y = ref8.block_scaled_mm(ad, asv, pw["wq"], pw["ws"], 1, FP8_BLOCK)
-            return reference_query(y, cos_h, sin_h, cfg)
         if cute_gemm.serves(cfg, ad.device):  # the warp-specialized CuTe DSL kernel (W in its own order)
-            from ..kernels._op import encoded
-
             return cute_gemm.rope_gemm_fp8_op(ad, asv, pw["wq"], pw["ws"], cos_h, sin_h, encoded(cfg)), None, None, None
         if pw.get("fused") is not None:
-            from ..kernels._op import encoded
             from ..kernels.qproj_gemm import qproj_gemm_fp8_fwd_op
 
             outs = qproj_gemm_fp8_fwd_op(ad, asv, pw["fused"], pw["fused_sinv"], cos_h, sin_h, encoded(cfg))
@@ -111,41 +135,33 @@ class FP8Block(Recipe):
         qproj_gemm_fwd(ad, pw["fused"], cos_h, sin_h, cfg, a_scale_inv=asv, w_scale_inv=pw["fused_sinv"],
                        check=False, config=config, out=out)
 
-    # sequence parallelism: the Triton path's token-inner tensors (the input's M-major scale_inv [K/128, T], the
-    # saved transposed codes [K, T]) are gathered as rank-major rows and re-laid out; the reference's are token-major
+    # sequence parallelism: the token-inner tensors (the input's M-major scale_inv [K/128, T], the saved transposed
+    # codes [K, T]) are gathered as rank-major rows and re-laid out
 
-    def input_from_wire(self, w, ranks: int, cfg: QProjConfig, use_triton: bool):
-        codes, sinv = w  # Triton: sinv of `ranks` ranks as rank-major rows [ranks * K/128, n]
-        return (codes, rows_to_cols(sinv, ranks)) if use_triton else (codes, sinv)
+    def input_from_wire(self, w, ranks: int, cfg: QProjConfig):
+        codes, sinv = w  # sinv of `ranks` ranks as rank-major rows [ranks * K/128, n]
+        return codes, rows_to_cols(sinv, ranks)
 
-    def gathered_saved(self, g, par: Parallel, cfg: QProjConfig, use_triton: bool):
-        cd, cs = super().gathered_saved(g, par, cfg, use_triton)
-        # Triton: transposed codes [K, T_local] (T_local a multiple of 128: no padding) and scale_inv [T_local/128, K]
-        return (rows_to_cols(cd, par.world) if use_triton else cd), cs
+    def gathered_saved(self, g, par: Parallel, cfg: QProjConfig):
+        cd, cs = super().gathered_saved(g, par, cfg)
+        # transposed codes [K, T_local] (T_local a multiple of 128: no padding) and scale_inv [T_local/128, K]
+        return rows_to_cols(cd, par.world), cs
 
-    # -------------------------------------------------------------------------------------------- backward
-
-    def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
-        bs = cfg.block_scale
-        if not use_triton:
-            dr, drs, dc, dcs = ref8.grad_operands_fp8_block(dq2d, cos_h, sin_h, cfg, bs)
-            return (dr, drs), (dc, dcs)
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
         from ..kernels._op import encoded
         from ..kernels.rope_fp8_block import rope_fp8_block_bwd_op
 
-        # row: codes [T, N], scale_inv M-major [N/128, T]; col: codes transposed [N, T_pad], scale_inv [T/128, N]
         dr, drs, dc, dcs = rope_fp8_block_bwd_op(dq2d, cos_h, sin_h, encoded(cfg))
         return (dr, drs), (dc, dcs)
 
-    def dgrad(self, g_row, pw, cols, cfg, use_triton, dxn):
+    def dgrad(self, g_row, pw, cols, cfg, dxn):
         dr, drs = g_row
-        nb = slice(cols.start // FP8_BLOCK, -(-cols.stop // FP8_BLOCK))
-        if use_triton and cublas_blockwise(dr.device, cols.stop - cols.start) and "wq_t" in pw.tensors:
+        nb = _blocks(cols)
+        if cublas_blockwise(dr.device, cols.stop - cols.start) and "wq_t" in pw.tensors:
             b, sb = self._dgrad_weight(pw, cols, nb)
             part = torch._scaled_mm(dr, b, scale_a=drs.t(), scale_b=sb, out_dtype=torch.float32)
         else:
-            sa = drs if drs.shape[0] == dr.shape[0] else drs.t()  # reference [T, N/128] or M-major [N/128, T]
-            part = ref8.block_scaled_mm(dr, sa, pw["wq"][cols].t(), pw["ws"][nb].t(), 1, FP8_BLOCK)
+            part = ref8.block_scaled_mm(dr, drs.t(), pw["wq"][cols].t(), pw["ws"][nb].t(), 1, FP8_BLOCK)
         return part if dxn is None else dxn.add_(part)
 
     @staticmethod
@@ -161,19 +177,25 @@ class FP8Block(Recipe):
             pw.cache[key] = (b.t(), sb.t())
         return pw.cache[key]
 
-    def wgrad(self, g_col, saved, cols, cfg, use_triton, out, accumulate):
-        dc, dcs = g_col
-        xc, xcs = saved
-        if use_triton and cublas_blockwise(dc.device):
+    def wgrad(self, g_col, saved, cols, cfg, out, accumulate):
+        (dc, dcs), (xc, xcs) = g_col, saved
+        if cublas_blockwise(dc.device):
             # A = dy^T codes [n, T_pad] (row-major), B = xn^T codes [K, T_pad] as column-major [T_pad, K]; both in
             # 1x128 blocks along T: scale_a [n, T/128] (M-major view), scale_b the [T/128, K] tensor itself
             dw = torch._scaled_mm(dc, xc.t(), scale_a=dcs.t(), scale_b=xcs,
                                   out_dtype=torch.float32 if accumulate else out.dtype)
-        elif use_triton:  # transposed codes [n, T_pad], [K, T_pad]; the padding codes are zero
-            dw = ref8.block_scaled_mm(dc, dcs.t(), xc, xcs.t(), 1, 1)
-        else:  # reference layout: codes [T, n], [T, K]
-            dw = ref8.block_scaled_mm(dc.t(), dcs.t(), xc.t(), xcs.t(), 1, 1)
-        if accumulate:
-            out.add_(dw)
         else:
-            out.copy_(dw)
+            dw = ref8.block_scaled_mm(dc, dcs.t(), xc, xcs.t(), 1, 1)
+        _store(out, dw, accumulate)
+
+
+def _blocks(cols: slice) -> slice:
+    """The 128-row blocks of W (and of its scale_inv grid) that the columns `cols` of N cover."""
+    return slice(cols.start // FP8_BLOCK, -(-cols.stop // FP8_BLOCK))
+
+
+def _store(out: torch.Tensor, dw: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.add_(dw)
+    else:
+        out.copy_(dw)

@@ -6,6 +6,8 @@ bf16). GEMM map (T tokens, K = q_lora_rank, N = num_heads * q_head_dim):
     forward  y   [T, N] = xn_q(rowwise, along K) @ W_q(rowwise, along K)^T     (fused GEMM + RoPE epilogue on sm_90)
     dgrad    dxn [T, K] = dy_q(rowwise, along N) @ W_q(columnwise, along N)
     wgrad    dW  [N, K] = dy_q(columnwise, along T)^T @ xn_q(columnwise, along T)
+
+Each precision has a reference implementation (PyTorch ops, fp32 images) and a kernel one (bf16 images, cuBLAS).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from ..reference import mxfp8 as ref_mx
 from ..reference import qproj as ref
 from ..reference.rope import apply_rope
 from ._gemm import mm_accumulate, mm_fp32, mm_into_dtype
-from .base import Operands, PreparedWeight, Recipe, norm_arg
+from .base import Kernels, Operands, PreparedWeight, Reference, norm_arg
 
 
 def query_outputs(rd, rs, cd, cs, T: int, cfg: QProjConfig) -> tuple:
@@ -46,17 +48,56 @@ def rope_epilogue(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
     return query_outputs(*outs, y.shape[0], cfg)
 
 
-class ImageRecipe(Recipe):
-    """The shared part of "mxfp8" and "bf16": bf16-image GEMMs (fused forward on sm_90, cuBLAS elsewhere)."""
+def _store(out: torch.Tensor, dw: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.add_(dw)
+    else:
+        out.copy_(dw)
 
-    def _images(self, w: torch.Tensor, cfg: QProjConfig, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+class ImageReference(Reference):
+    """The shared reference part of "mxfp8" and "bf16": fp32 GEMMs of the images."""
+
+    def _images(self, w: torch.Tensor, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward image, dgrad image) of W [N, K]."""
+        raise NotImplementedError
+
+    def _xn_image(self, saved: Operands) -> torch.Tensor:
+        """xn's wgrad operand [T, K]: the image of its columnwise quantization."""
+        raise NotImplementedError
+
+    def prepare_weight(self, w, cfg, key, src):
+        fwd, bwd = self._images(w.detach(), cfg)
+        return PreparedWeight(key, {"fwd": fwd, "bwd": bwd})
+
+    def forward_gemm(self, a, pw, cos_h, sin_h, cfg):
+        return reference_query(a[0].float() @ pw["fwd"].float().t(), cos_h, sin_h, cfg)
+
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
+        row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
+        return (row,), (col,)
+
+    def dgrad(self, g_row, pw, cols, cfg, dxn):
+        part = g_row[0].float() @ pw["bwd"][cols].float()
+        return part if dxn is None else dxn.add_(part)
+
+    def wgrad(self, g_col, saved, cols, cfg, out, accumulate):
+        _store(out, g_col[0].float().t() @ self._xn_image(saved).float(), accumulate)
+
+
+class ImageKernels(Kernels):
+    """The shared kernel part of "mxfp8" and "bf16": bf16-image GEMMs (fused forward on sm_90, cuBLAS elsewhere)."""
+
+    def _images(self, w: torch.Tensor, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward image, dgrad image) of W [N, K], bf16."""
         raise NotImplementedError
 
-    def prepare_weight(self, w, cfg, use_triton, key, src):
-        fwd, bwd = self._images(w.detach(), cfg, use_triton)
-        if not use_triton:
-            return PreparedWeight(key, {"fwd": fwd, "bwd": bwd})
+    def _xn_image(self, saved: Operands) -> torch.Tensor:
+        """xn's wgrad operand [T, K]: the bf16 image of its columnwise quantization."""
+        raise NotImplementedError
+
+    def prepare_weight(self, w, cfg, key, src):
+        fwd, bwd = self._images(w.detach(), cfg)
         tensors = {"bwd": bwd}
         if src is not None:  # the fused GEMM's row order (an exact permutation, zero rows as padding)
             tensors["fused"] = torch.cat([fwd, fwd.new_zeros(1, fwd.shape[1])])[src]
@@ -64,11 +105,9 @@ class ImageRecipe(Recipe):
             tensors["fwd"] = fwd  # only one forward operand is kept (N * K * 2 bytes)
         return PreparedWeight(key, tensors)
 
-    def forward_gemm(self, a, pw, cos_h, sin_h, cfg, use_triton):
+    def forward_gemm(self, a, pw, cos_h, sin_h, cfg):
         (a,) = a
         T = a.shape[0]
-        if not use_triton:
-            return reference_query(a.float() @ pw["fwd"].float().t(), cos_h, sin_h, cfg)
         if pw.get("fused") is not None:
             from ..kernels._op import encoded
             from ..kernels.qproj_gemm import qproj_gemm_fwd_op
@@ -82,81 +121,74 @@ class ImageRecipe(Recipe):
 
         qproj_gemm_fwd(a[0], pw["fused"], cos_h, sin_h, cfg, check=False, config=config, out=out)
 
-    def dgrad(self, g_row, pw, cols, cfg, use_triton, dxn):
+    def dgrad(self, g_row, pw, cols, cfg, dxn):
         (g,) = g_row
         w = pw["bwd"][cols]
-        if not use_triton:
-            part = g.float() @ w.float()
-            return part if dxn is None else dxn.add_(part)
         if dxn is None:
             return mm_fp32(g, w)
         mm_accumulate(dxn, g, w)
         return dxn
 
-    def _xn_image(self, saved: Operands, use_triton: bool) -> torch.Tensor:
-        """xn's wgrad operand [T, K]: the image of its columnwise quantization (bf16 on the Triton path)."""
-        raise NotImplementedError
-
-    def wgrad(self, g_col, saved, cols, cfg, use_triton, out, accumulate):
-        (g,) = g_col
-        xn = self._xn_image(saved, use_triton)
-        if not use_triton:
-            dw = g.float().t() @ xn.float()
-            if accumulate:
-                out.add_(dw)
-            else:
-                out.copy_(dw)
-            return
-        mm_into_dtype(out, g.t(), xn, accumulate)
+    def wgrad(self, g_col, saved, cols, cfg, out, accumulate):
+        mm_into_dtype(out, g_col[0].t(), self._xn_image(saved), accumulate)
 
 
-class MXFP8(ImageRecipe):
-    """precision="mxfp8" (SPEC §1-§2)."""
+class _MXFP8:
+    """precision="mxfp8" (SPEC §1-§2): the geometry both implementations share."""
 
     name = "mxfp8"
     col_block = 32
     n_align = 32
 
-    def _images(self, w, cfg, use_triton):
-        if not use_triton:
-            return ref.prepare_weight(w, cfg)
+    # sequence parallelism: the GEMM input is the exact image of xn's rowwise MXFP8; it crosses the ranks as MXFP8
+    # (codes and scale bytes: about half the bytes of bf16) and is decoded again. Re-encoding an MXFP8 image with
+    # its own scale mode is lossless (the image's values are on the E4M3 grid times its block's power of two), so
+    # every rank multiplies the same image as the tp = 1 layer
+
+
+class MXFP8Reference(_MXFP8, ImageReference):
+    def _images(self, w, cfg):
+        return ref.prepare_weight(w, cfg)
+
+    def norm_quant(self, x2d, norm_weight, cfg, save):
+        xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
+        a = ref_mx.dequantize_rowwise(*ref_mx.quantize_rowwise(xn, cfg.scale_mode))
+        return rsigma, (a,), ref_mx.quantize_columnwise(xn, cfg.scale_mode) if save else ()
+
+    def wire_input(self, a, cfg: QProjConfig):
+        return ref_mx.quantize_rowwise(a[0], cfg.scale_mode)
+
+    def input_from_wire(self, w, ranks: int, cfg: QProjConfig):
+        return (ref_mx.dequantize_rowwise(*w, torch.float32),)  # fp32 images, as norm_quant makes them
+
+    def _xn_image(self, saved):
+        return ref_mx.dequantize_columnwise(*saved)
+
+
+class MXFP8Kernels(_MXFP8, ImageKernels):
+    def _images(self, w, cfg):
         from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
 
         rd, rs, cd, cs = mxfp8_quantize_2d_op(w, True, True, cfg.scale_mode)
         return (ref_mx.dequantize_rowwise(rd, rs, torch.bfloat16),
                 ref_mx.dequantize_columnwise(cd, cs, torch.bfloat16))
 
-    def norm_quant(self, x2d, norm_weight, cfg, use_triton, save):
-        if not use_triton:
-            xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
-            a = ref_mx.dequantize_rowwise(*ref_mx.quantize_rowwise(xn, cfg.scale_mode))
-            return rsigma, (a,), ref_mx.quantize_columnwise(xn, cfg.scale_mode) if save else ()
+    def norm_quant(self, x2d, norm_weight, cfg, save):
         from ..kernels._op import encoded
         from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
 
         rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
         return rsigma, (a,), (xcd, xcs) if save else ()
 
-    # the GEMM input is the exact image of xn's rowwise MXFP8; it crosses the ranks as MXFP8 (codes and scale bytes:
-    # about half the bytes of bf16) and is decoded again. Re-encoding an MXFP8 image with its own scale mode is
-    # lossless (the image's values are on the E4M3 grid times its block's power of two), so every rank multiplies
-    # the same image as the tp = 1 layer
-
-    def wire_input(self, a, cfg: QProjConfig, use_triton: bool):
-        if not use_triton:
-            return ref_mx.quantize_rowwise(a[0], cfg.scale_mode)
+    def wire_input(self, a, cfg: QProjConfig):
         from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
 
         return mxfp8_quantize_2d_op(a[0], True, False, cfg.scale_mode)[:2]  # one pass (the reference's takes ~10)
 
-    def input_from_wire(self, w, ranks: int, cfg: QProjConfig, use_triton: bool):
-        # the image's dtype: bf16 for the kernels, fp32 for the reference (as norm_quant makes them)
-        return (ref_mx.dequantize_rowwise(*w, torch.bfloat16 if use_triton else torch.float32),)
+    def input_from_wire(self, w, ranks: int, cfg: QProjConfig):
+        return (ref_mx.dequantize_rowwise(*w, torch.bfloat16),)  # bf16 images, as norm_quant makes them
 
-    def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
-        if not use_triton:
-            row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
-            return (row,), (col,)
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
         from ..kernels._op import encoded
         from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
         from ..kernels.rope_quant import rope_quant_op
@@ -172,43 +204,50 @@ class MXFP8(ImageRecipe):
         row = ref_mx.dequantize_columnwise(cdt, cst, torch.bfloat16).t()
         return (row,), (ref_mx.dequantize_columnwise(cd, cs, torch.bfloat16),)
 
-    def _xn_image(self, saved, use_triton):
-        if not use_triton:
-            return ref_mx.dequantize_columnwise(*saved)
+    def _xn_image(self, saved):
         from ..kernels.mxfp8_quant import dequantize_columnwise_bf16_op
 
         return dequantize_columnwise_bf16_op(*saved)
 
 
-class BF16(ImageRecipe):
+class _BF16:
     """precision="bf16": xn rounded once to bf16, W and dy in bf16."""
 
     name = "bf16"
 
-    def _images(self, w, cfg, use_triton):
+
+class BF16Reference(_BF16, ImageReference):
+    def _images(self, w, cfg):
         wb = w.to(torch.bfloat16)
         return wb, wb
 
-    def norm_quant(self, x2d, norm_weight, cfg, use_triton, save):
-        if not use_triton:
-            xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
-            xb = xn.to(torch.bfloat16)
-            return rsigma, (xb.float(),), (xb,) if save else ()
+    def norm_quant(self, x2d, norm_weight, cfg, save):
+        xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
+        xb = xn.to(torch.bfloat16)
+        return rsigma, (xb.float(),), (xb,) if save else ()
+
+    def _xn_image(self, saved):
+        return saved[0]
+
+
+class BF16Kernels(_BF16, ImageKernels):
+    def _images(self, w, cfg):
+        wb = w.to(torch.bfloat16)
+        return wb, wb
+
+    def norm_quant(self, x2d, norm_weight, cfg, save):
         from ..kernels._op import encoded
         from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
 
         rsigma, a, _, _ = rmsnorm_quant_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
         return rsigma, (a,), (a,) if save else ()
 
-    def grad_operands(self, dq2d, cos_h, sin_h, cfg, use_triton):
-        if not use_triton:
-            row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
-            return (row,), (col,)
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
         from ..kernels._op import encoded
         from ..kernels.rope_quant import rope_quant_op
 
         g = rope_quant_op(dq2d, cos_h, sin_h, encoded(cfg), True, "bf16", False)[0]
         return (g,), (g,)
 
-    def _xn_image(self, saved, use_triton):
+    def _xn_image(self, saved):
         return saved[0]
