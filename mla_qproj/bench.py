@@ -241,6 +241,9 @@ def triton_engine(fn: Callable) -> Callable:
 
 def make_rows(layers: dict, compile_mode: str) -> list[Row]:
     """All rows; `layers` maps variant name -> FusedMLAQUpProjection (or an exception if ours is unavailable)."""
+    # the peers' compiled quantizers see several shapes per T (x, dy, their transposes): past dynamo's default of 8
+    # recompiles a function falls back to eager, which made the block-FP8 fwd+bwd peer 2.6x slower at the third T
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     c_mx = torch.compile(unfused_mxfp8, dynamic=False, mode=compile_mode)
     c_bf = torch.compile(unfused_bf16, dynamic=False, mode=compile_mode)
     c_nq = torch.compile(fp8_block_norm_quant, dynamic=False, mode=compile_mode)

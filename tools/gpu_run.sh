@@ -22,12 +22,13 @@ STEPS=${STEPS:-"tests bench kernels"}
 export PYTHONUNBUFFERED=1
 export MLA_QPROJ_TESTS=${MLA_QPROJ_TESTS:-full}  # the slow tier too
 summary=()
+status=0
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for step in $STEPS; do
   case $step in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -n 8 ${TEST_ARGS:-tests/} > "$OUT/pytest.log" 2>&1
+      python3 -m pytest -q -p no:cacheprovider -n 8 ${TEST_ARGS:-tests/} > "$OUT/pytest.log" 2>&1 || status=1
       summary+=("tests: $(tail -1 "$OUT/pytest.log")");;
     bench)
       python3 -m mla_qproj.bench ${BENCH_ARGS:-} --out "$OUT" > "$OUT/bench.log" 2>&1
@@ -46,3 +47,4 @@ grep -E "FAILED|ERROR" "$OUT/pytest.log" 2>/dev/null | head -30
 [ -f "$OUT/bench.log" ] && sed -n '/^     T  impl/,$p' "$OUT/bench.log"
 [ -f "$OUT/kernels.txt" ] && tail -12 "$OUT/kernels.txt"
 printf '%s\n' "${summary[@]}"
+exit $status  # 1 when the tests failed
