@@ -73,35 +73,27 @@ def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig
 
 
 def overlap_ok(n: int, pw: PreparedWeight, cfg: QProjConfig, recipe: Recipe, par: Parallel) -> bool:
-    """The sequence-parallel forward overlaps its gather with the GEMM (`tp_comm_overlap`) when the fused kernel
-    runs eagerly (point-to-point steps with work handles, and launches writing each rank's rows into the query in
-    place; traced graphs keep the functional all-gather), there is a peer, and rank edges fall on columnwise output
-    blocks."""
-    return (par.overlap and par.world > 1 and n > 0 and recipe.kernels and pw.get("fused") is not None
+    """The sequence-parallel forward overlaps its gather with the GEMM (`tp_comm_overlap`) when the recipe can write
+    the query a row range at a time, eagerly (point-to-point steps with work handles, and launches writing each
+    rank's rows into the query in place; traced graphs keep the functional all-gather), there is a peer, and rank
+    edges fall on columnwise output blocks."""
+    return (par.overlap and par.world > 1 and n > 0 and recipe.writes_rows(pw)
             and not (cfg.columnwise_output and n % MX_BLOCK) and not torch.compiler.is_compiling())
 
 
-def _forward_overlapped(recipe: Recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, par: Parallel) -> tuple:
+def _forward_overlapped(recipe: Recipe, a, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig,
+                        par: Parallel) -> tuple:
     """Sequence-parallel forward with the gather in flight (a ring of point-to-point steps): the fused GEMM covers
     this rank's own tokens while the first peer's travel, then each peer's tokens as they arrive while the next
-    peer's travel, every launch writing its rows of the query. Every launch uses the config of the whole gathered
-    token count, so the bytes are those of one launch over all tokens (a row's result depends on that row only)."""
-    from .kernels.qproj_gemm import _eager_outputs, default_config, output_rows, qproj_gemm_outputs
-
+    peer's travel, every launch writing its rows of the query (a row's result depends on that row only)."""
     ring = RingGather(recipe.wire_input(a, cfg), par)
     n = a[0].shape[0]
-    T = n * par.world
-    outs = qproj_gemm_outputs(T, cfg, a[0])
-    config = default_config(T, a[0].device, cfg, recipe.fused_operands)
-
-    def launch(j: int, a_j) -> None:
-        rows = slice(j * n, (j + 1) * n)
-        recipe.fused_launch(a_j, pw, cos_h[rows], sin_h[rows], cfg, output_rows(outs, j * n, (j + 1) * n), config)
-
-    launch(par.rank, a)
+    buffers = recipe.query_buffers(n * par.world, cfg, a[0])
+    recipe.write_rows(a, pw, cos_h, sin_h, cfg, buffers, slice(par.rank * n, (par.rank + 1) * n))
     for j, wire in ring:
-        launch(j, recipe.input_from_wire(wire, 1, cfg))
-    return _eager_outputs(outs)
+        recipe.write_rows(recipe.input_from_wire(wire, 1, cfg), pw, cos_h, sin_h, cfg, buffers,
+                          slice(j * n, (j + 1) * n))
+    return recipe.query_of_buffers(buffers)
 
 
 # T * N at or above which the backward walks the heads in groups (2, then 4 past 4x this): the [T, N] gradient

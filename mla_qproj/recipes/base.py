@@ -97,11 +97,25 @@ class Recipe:
         """out [len(cols), K] = g_col^T · xn (rounded once to out's dtype), or += when accumulate (main_grad)."""
         raise NotImplementedError
 
-    def fused_launch(self, a: Operands, pw: PreparedWeight, cos_h: torch.Tensor, sin_h: torch.Tensor,
-                     cfg: QProjConfig, out: tuple, config) -> None:
-        """The fused GEMM (`pw` holds "fused") on the Triton path, writing into out (`qproj_gemm_outputs`' layout, or
-        row slices of it) with the launch config `config`: what the overlapped sequence-parallel forward runs per
-        rank's rows."""
+    # ---- the overlapped sequence-parallel forward (`tp_comm_overlap`): the query written a row range at a time,
+    # each range's tokens multiplied as they arrive. Only kernel implementations whose fused GEMM runs offer it.
+
+    def writes_rows(self, pw: PreparedWeight) -> bool:
+        """The forward can write the query a row range at a time for this prepared weight."""
+        return False
+
+    def query_buffers(self, T: int, cfg: QProjConfig, like: torch.Tensor) -> tuple:
+        """The query of T tokens, unwritten, with what every range's launch shares (the launch config of the whole
+        T, so that the bytes are those of one launch over all tokens)."""
+        raise NotImplementedError
+
+    def write_rows(self, a: Operands, pw: PreparedWeight, cos_h: torch.Tensor, sin_h: torch.Tensor,
+                   cfg: QProjConfig, buffers: tuple, rows: slice) -> None:
+        """The query's tokens `rows` (a holds their GEMM input; cos_h / sin_h cover all T) into `buffers`."""
+        raise NotImplementedError
+
+    def query_of_buffers(self, buffers: tuple) -> tuple:
+        """The written buffers as `forward_gemm` returns its query (4 entries)."""
         raise NotImplementedError
 
     # ---- sequence parallelism: the tensors that cross ranks. A gather is started, and its result read later, so
@@ -143,9 +157,34 @@ class Reference(Recipe):
 
 
 class Kernels(Recipe):
-    """What every kernel implementation shares: the Triton RMSNorm backward."""
+    """What every kernel implementation shares: the Triton RMSNorm backward, and the overlapped forward's row
+    writes through the Triton fused GEMM (`kernels.qproj_gemm`, W in its row order under pw["fused"])."""
 
     kernels = True
+
+    def fused_launch(self, a: Operands, pw: PreparedWeight, cos_h: torch.Tensor, sin_h: torch.Tensor,
+                     cfg: QProjConfig, out: tuple, config) -> None:
+        """The fused GEMM writing into out (`qproj_gemm_outputs`' layout, or row slices of it) with the launch
+        config `config`."""
+        raise NotImplementedError
+
+    def writes_rows(self, pw):
+        return pw.get("fused") is not None
+
+    def query_buffers(self, T, cfg, like):
+        from ..kernels.qproj_gemm import default_config, qproj_gemm_outputs
+
+        return qproj_gemm_outputs(T, cfg, like), default_config(T, like.device, cfg, self.fused_operands)
+
+    def write_rows(self, a, pw, cos_h, sin_h, cfg, buffers, rows):
+        from ..kernels.qproj_gemm import output_rows
+
+        outs, config = buffers
+        self.fused_launch(a, pw, cos_h[rows], sin_h[rows], cfg, output_rows(outs, rows.start, rows.stop), config)
+
+    def query_of_buffers(self, buffers):
+        outs = buffers[0]
+        return (outs[0], None, None, None) if len(outs) == 1 else outs
 
     def rmsnorm_bwd(self, dxn, x2d, rsigma, norm_weight, zero_centered_gamma):
         from ..kernels.rmsnorm_bwd import rmsnorm_bwd_op
