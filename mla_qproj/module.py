@@ -263,8 +263,7 @@ class FusedMLAQUpProjection(nn.Module):
              f"qk_head_dim={c.qk_head_dim}, qk_pos_emb_head_dim={c.rope_dim}, q_head_dim={c.q_head_dim}, "
              f"{f'eps={c.eps}, ' if c.norm else ''}rope_style={c.rope_style}, "
              f"precision={c.precision}, output_format={c.output_format}, scale_mode={c.scale_mode}")
-        if c.precision == "fp8_block":
-            s += f", block_scale={c.block_scale}"
+        s += "".join(f", {k}={v}" for k, v in get_recipe(c.precision).options(c).items())
         if self.par is not None:
             s += f", tp_size={self.tp_size}, local_heads={c.num_heads}, sequence_parallel={self.par.sequence_parallel}"
             if self.par.overlap:

@@ -59,6 +59,10 @@ class Recipe:
     n_align: ClassVar[int] = 1
     fused_operands: ClassVar[str] = "bf16"
 
+    def options(self, cfg: QProjConfig) -> dict:
+        """The config's fields that only this precision reads (shown by the module's repr)."""
+        return {}
+
     def rmsnorm_bwd(self, dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
                     zero_centered_gamma: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(dx in x's dtype, dnorm_weight in the parameter's dtype) from dxn fp32 [T, K] (precision-independent)."""

@@ -40,6 +40,9 @@ class _FP8Block:
     n_align = FP8_BLOCK
     fused_operands = "fp8_block"
 
+    def options(self, cfg: QProjConfig) -> dict:
+        return {"block_scale": cfg.block_scale}
+
 
 class FP8BlockReference(_FP8Block, Reference):
     """Operands token-major: GEMM input (codes [T, K], scale_inv [T, K/128]); saved xn (codes [T, K], scale_inv

@@ -73,10 +73,6 @@ class ImageReference(Reference):
     def forward_gemm(self, a, pw, cos_h, sin_h, cfg):
         return reference_query(a[0].float() @ pw["fwd"].float().t(), cos_h, sin_h, cfg)
 
-    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
-        row, col = ref.grad_operands(dq2d, cos_h, sin_h, cfg)
-        return (row,), (col,)
-
     def dgrad(self, g_row, pw, cols, cfg, dxn):
         part = g_row[0].float() @ pw["bwd"][cols].float()
         return part if dxn is None else dxn.add_(part)
@@ -148,7 +144,11 @@ class _MXFP8:
 
 class MXFP8Reference(_MXFP8, ImageReference):
     def _images(self, w, cfg):
-        return ref.prepare_weight(w, cfg)
+        return ref.mxfp8_weight_images(w, cfg.scale_mode)
+
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
+        row, col = ref.mxfp8_grad_images(ref.rope_inverse_grad(dq2d, cos_h, sin_h, cfg), cfg.scale_mode)
+        return (row,), (col,)
 
     def norm_quant(self, x2d, norm_weight, cfg, save):
         xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
@@ -225,6 +225,10 @@ class BF16Reference(_BF16, ImageReference):
         xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
         xb = xn.to(torch.bfloat16)
         return rsigma, (xb.float(),), (xb,) if save else ()
+
+    def grad_operands(self, dq2d, cos_h, sin_h, cfg):
+        gb = ref.rope_inverse_grad(dq2d, cos_h, sin_h, cfg).to(torch.bfloat16).float()
+        return (gb,), (gb,)
 
     def _xn_image(self, saved):
         return saved[0]

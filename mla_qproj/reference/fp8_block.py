@@ -153,9 +153,12 @@ def prepare_weight_fp8_block(weight: torch.Tensor, block_scale: str = "pow2") ->
     return quantize_blocks(weight.detach(), (FP8_BLOCK, FP8_BLOCK), block_scale)
 
 
-def qproj_fwd_fp8_block(x2d, norm_weight, w_data, w_sinv, cos_h, sin_h, cfg: QProjConfig, block_scale: str = "pow2"):
+def qproj_fwd_fp8_block(x2d, norm_weight, w_data, w_sinv, cos_h, sin_h, cfg: QProjConfig,
+                        block_scale: str | None = None):
     """SPEC §5 forward. Returns (outputs as in `reference.qproj.quantize_output`, rsigma [T], xn_saved) where
-    xn_saved = (codes [T, K], scale_inv [ceil(T/128), K]): xn in 128x1 blocks along T, what wgrad reads."""
+    xn_saved = (codes [T, K], scale_inv [ceil(T/128), K]): xn in 128x1 blocks along T, what wgrad reads.
+    block_scale: the scale rule (SPEC §5), default cfg.block_scale."""
+    block_scale = cfg.block_scale if block_scale is None else block_scale
     T = x2d.shape[0]
     xn, rsigma = rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)  # fp32, never rounded to bf16
     xn = canonical_nan(xn)
@@ -166,10 +169,11 @@ def qproj_fwd_fp8_block(x2d, norm_weight, w_data, w_sinv, cos_h, sin_h, cfg: QPr
     return quantize_output(y, cfg), rsigma, xn_saved
 
 
-def grad_operands_fp8_block(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig, block_scale: str = "pow2"):
+def grad_operands_fp8_block(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig, block_scale: str | None = None):
     """Inverse RoPE on the query gradient, then its two quantizations [T, N]: (row codes, row scale_inv
     [T, ceil(N/128)]) in 1x128 blocks along N (across heads; dgrad) and (col codes, col scale_inv [ceil(T/128), N])
-    in 128x1 blocks along T (wgrad)."""
+    in 128x1 blocks along T (wgrad). block_scale: default cfg.block_scale."""
+    block_scale = cfg.block_scale if block_scale is None else block_scale
     T = dq.shape[0]
     dq = dq.reshape(T, cfg.num_heads, cfg.q_head_dim)
     g = apply_rope_inverse(dq.float(), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style)
@@ -178,7 +182,7 @@ def grad_operands_fp8_block(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig, bl
 
 
 def qproj_bwd_fp8_block(dq, x2d, rsigma, xn_saved, norm_weight, w_data, w_sinv, cos_h, sin_h, cfg: QProjConfig,
-                        block_scale: str = "pow2"):
+                        block_scale: str | None = None):
     """SPEC §5 backward. Returns (dx [T, K] in x's dtype, dnorm_weight, dW fp32 [N, K])."""
     dr, drs, dc, dcs = grad_operands_fp8_block(dq, cos_h, sin_h, cfg, block_scale)
     xc, xcs = xn_saved

@@ -1,6 +1,6 @@
-"""The pieces of the layer in plain PyTorch (SPEC §1) that the mxfp8 and bf16 recipes' reference paths and the
-fp8_block reference compose: RMSNorm forward and backward, the weight's GEMM images, the query's quantization, the
-gradient's GEMM operands. Inputs are already flattened: x2d [T, K]; cos_h/sin_h [T, R/2] fp32 pair tables.
+"""The pieces of the layer in plain PyTorch (SPEC §1) that the recipes' reference implementations compose: RMSNorm
+forward and backward, the weight's MXFP8 GEMM images, the query's quantization, the inverse RoPE of the gradient and
+its MXFP8 GEMM images. Inputs are already flattened: x2d [T, K]; cos_h/sin_h [T, R/2] fp32 pair tables.
 
 GEMM operands are the *exact* dense images of the quantized tensors (E4M3 * 2^k is exact in bf16 and fp32),
 multiplied in fp32, so this is MXFP8 arithmetic up to the fp32 summation order.
@@ -37,15 +37,12 @@ def rmsnorm_bwd(dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm
     return dx.to(x2d.dtype), dg.to(norm_weight.dtype)
 
 
-def prepare_weight(weight: torch.Tensor, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(forward image, dgrad image) of W [N, K] as exact bf16: MXFP8 rowwise (along K) and columnwise (along N)
-    for precision='mxfp8'; W rounded to bf16 for precision='bf16'."""
-    if cfg.precision == "bf16":
-        wb = weight.detach().to(torch.bfloat16)
-        return wb, wb
+def mxfp8_weight_images(weight: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forward image, dgrad image) of W [N, K] as exact bf16: its MXFP8 rowwise (along K) and columnwise (along
+    N) quantizations."""
     w = weight.detach().float()  # widened once for both orientations
-    fwd = dequantize_rowwise(*quantize_rowwise(w, cfg.scale_mode), dtype=torch.bfloat16)
-    bwd = dequantize_columnwise(*quantize_columnwise(w, cfg.scale_mode), dtype=torch.bfloat16)
+    fwd = dequantize_rowwise(*quantize_rowwise(w, scale_mode), dtype=torch.bfloat16)
+    bwd = dequantize_columnwise(*quantize_columnwise(w, scale_mode), dtype=torch.bfloat16)
     return fwd, bwd
 
 
@@ -62,18 +59,19 @@ def quantize_output(y: torch.Tensor, cfg: QProjConfig) -> tuple:
     return rd, rs, cd, cs
 
 
-def grad_operands(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse RoPE on the query gradient [T, H, D], then the exact images the two GEMMs consume:
-    (dgrad operand: rowwise along N, wgrad operand: columnwise along T), both [T, N] fp32."""
+def rope_inverse_grad(dq: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> torch.Tensor:
+    """Inverse RoPE on the query gradient [T, H, D] (or [T, N]): g [T, N] fp32, what the GEMM operands quantize."""
     T = dq.shape[0]
     dq = dq.reshape(T, cfg.num_heads, cfg.q_head_dim)
     g = apply_rope_inverse(dq.float(), cos_h, sin_h, cfg.qk_head_dim, cfg.rope_dim, cfg.rope_style)
-    g = g.reshape(T, cfg.out_features)
-    if cfg.precision == "bf16":
-        gb = g.to(torch.bfloat16).float()
-        return gb, gb
+    return g.reshape(T, cfg.out_features)
+
+
+def mxfp8_grad_images(g: torch.Tensor, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact images the two GEMMs consume of g [T, N]: (dgrad operand: rowwise along N, wgrad operand:
+    columnwise along T), both [T, N] fp32."""
     # rowwise along N == columnwise of the transpose: also covers N % 32 != 0 (partial last block)
-    dt, st = quantize_columnwise(g.t(), cfg.scale_mode)
+    dt, st = quantize_columnwise(g.t(), scale_mode)
     row = dequantize_columnwise(dt, st).t()
-    col = dequantize_columnwise(*quantize_columnwise(g, cfg.scale_mode))
+    col = dequantize_columnwise(*quantize_columnwise(g, scale_mode))
     return row, col
