@@ -74,3 +74,11 @@ def mm_into_dtype(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulat
             torch.mm(a, b, out=out)
     else:
         out.copy_(mm_fp32(a, b))
+
+
+def store(out: torch.Tensor, dw: torch.Tensor, accumulate: bool) -> None:
+    """out = dw, or out += dw (a weight gradient written, or accumulated into main_grad)."""
+    if accumulate:
+        out.add_(dw)
+    else:
+        out.copy_(dw)

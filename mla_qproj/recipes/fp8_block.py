@@ -21,6 +21,7 @@ from ..distributed import Parallel, rows_to_cols
 from ..kernels.cute import fp8_gemm as cute_gemm
 from ..reference import fp8_block as ref8
 from ..reference import qproj as ref
+from ._gemm import store
 from .base import Kernels, PreparedWeight, Reference
 from .images import query_outputs, reference_query, rope_epilogue
 
@@ -77,7 +78,7 @@ class FP8BlockReference(_FP8Block, Reference):
 
     def wgrad(self, g_col, saved, cols, cfg, out, accumulate):
         (dc, dcs), (xc, xcs) = g_col, saved
-        _store(out, ref8.block_scaled_mm(dc.t(), dcs.t(), xc.t(), xcs.t(), 1, 1), accumulate)
+        store(out, ref8.block_scaled_mm(dc.t(), dcs.t(), xc.t(), xcs.t(), 1, 1), accumulate)
 
 
 class FP8BlockKernels(_FP8Block, Kernels):
@@ -189,16 +190,9 @@ class FP8BlockKernels(_FP8Block, Kernels):
                                   out_dtype=torch.float32 if accumulate else out.dtype)
         else:
             dw = ref8.block_scaled_mm(dc, dcs.t(), xc, xcs.t(), 1, 1)
-        _store(out, dw, accumulate)
+        store(out, dw, accumulate)
 
 
 def _blocks(cols: slice) -> slice:
     """The 128-row blocks of W (and of its scale_inv grid) that the columns `cols` of N cover."""
     return slice(cols.start // FP8_BLOCK, -(-cols.stop // FP8_BLOCK))
-
-
-def _store(out: torch.Tensor, dw: torch.Tensor, accumulate: bool) -> None:
-    if accumulate:
-        out.add_(dw)
-    else:
-        out.copy_(dw)

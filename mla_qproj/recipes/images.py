@@ -18,7 +18,7 @@ from .._config import QProjConfig
 from ..reference import mxfp8 as ref_mx
 from ..reference import qproj as ref
 from ..reference.rope import apply_rope
-from ._gemm import mm_accumulate, mm_fp32, mm_into_dtype
+from ._gemm import mm_accumulate, mm_fp32, mm_into_dtype, store
 from .base import Kernels, Operands, PreparedWeight, Reference, norm_arg
 
 
@@ -48,23 +48,20 @@ def rope_epilogue(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
     return query_outputs(*outs, y.shape[0], cfg)
 
 
-def _store(out: torch.Tensor, dw: torch.Tensor, accumulate: bool) -> None:
-    if accumulate:
-        out.add_(dw)
-    else:
-        out.copy_(dw)
-
-
-class ImageReference(Reference):
-    """The shared reference part of "mxfp8" and "bf16": fp32 GEMMs of the images."""
+class _Images:
+    """What each image precision supplies to both of its implementations."""
 
     def _images(self, w: torch.Tensor, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward image, dgrad image) of W [N, K]."""
+        """(forward image, dgrad image) of W [N, K] (bf16 in both implementations)."""
         raise NotImplementedError
 
     def _xn_image(self, saved: Operands) -> torch.Tensor:
-        """xn's wgrad operand [T, K]: the image of its columnwise quantization."""
+        """xn's wgrad operand [T, K]: the image of its columnwise quantization (bf16 in the kernels')."""
         raise NotImplementedError
+
+
+class ImageReference(_Images, Reference):
+    """The shared reference part of "mxfp8" and "bf16": fp32 GEMMs of the images."""
 
     def prepare_weight(self, w, cfg, key, src):
         fwd, bwd = self._images(w.detach(), cfg)
@@ -78,19 +75,11 @@ class ImageReference(Reference):
         return part if dxn is None else dxn.add_(part)
 
     def wgrad(self, g_col, saved, cols, cfg, out, accumulate):
-        _store(out, g_col[0].float().t() @ self._xn_image(saved).float(), accumulate)
+        store(out, g_col[0].float().t() @ self._xn_image(saved).float(), accumulate)
 
 
-class ImageKernels(Kernels):
+class ImageKernels(_Images, Kernels):
     """The shared kernel part of "mxfp8" and "bf16": bf16-image GEMMs (fused forward on sm_90, cuBLAS elsewhere)."""
-
-    def _images(self, w: torch.Tensor, cfg: QProjConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward image, dgrad image) of W [N, K], bf16."""
-        raise NotImplementedError
-
-    def _xn_image(self, saved: Operands) -> torch.Tensor:
-        """xn's wgrad operand [T, K]: the bf16 image of its columnwise quantization."""
-        raise NotImplementedError
 
     def prepare_weight(self, w, cfg, key, src):
         fwd, bwd = self._images(w.detach(), cfg)
