@@ -44,14 +44,19 @@ class _FP8Block:
     def options(self, cfg: QProjConfig) -> dict:
         return {"block_scale": cfg.block_scale}
 
+    @staticmethod
+    def _prequantized(w: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """A checkpoint's E4M3 codes [N, K] and 128x128 scale_inv, taken as they are."""
+        return w[0].detach().contiguous(), w[1].detach().float().contiguous()
+
 
 class FP8BlockReference(_FP8Block, Reference):
     """Operands token-major: GEMM input (codes [T, K], scale_inv [T, K/128]); saved xn (codes [T, K], scale_inv
     [T/128, K]); the query gradient's (codes [T, n], scale_inv [T, n/128]) and (codes [T, n], scale_inv [T/128, n])."""
 
     def prepare_weight(self, w, cfg, key, src):
-        if isinstance(w, tuple):  # pre-quantized (a checkpoint's E4M3 codes [N, K] and 128x128 scale_inv) as it is
-            wq, ws = w[0].detach().contiguous(), w[1].detach().float().contiguous()
+        if isinstance(w, tuple):  # pre-quantized
+            wq, ws = self._prequantized(w)
         else:
             wq, ws = ref8.prepare_weight_fp8_block(w.detach(), cfg.block_scale)
         return PreparedWeight(key, {"wq": wq, "ws": ws})
@@ -88,8 +93,8 @@ class FP8BlockKernels(_FP8Block, Kernels):
 
     def prepare_weight(self, w, cfg, key, src):
         """src: the Triton fused GEMM's row order, or None (then the fused kernel does not run)."""
-        if isinstance(w, tuple):  # pre-quantized, as it is
-            wq, ws = w[0].detach().contiguous(), w[1].detach().float().contiguous()
+        if isinstance(w, tuple):  # pre-quantized
+            wq, ws = self._prequantized(w)
         else:
             from ..kernels.fp8_block_quant import fp8_block_quantize_op
 

@@ -204,12 +204,15 @@ class _BF16:
 
     name = "bf16"
 
-
-class BF16Reference(_BF16, ImageReference):
     def _images(self, w, cfg):
         wb = w.to(torch.bfloat16)
         return wb, wb
 
+    def _xn_image(self, saved):  # xn rounded to bf16 is its own image
+        return saved[0]
+
+
+class BF16Reference(_BF16, ImageReference):
     def norm_quant(self, x2d, norm_weight, cfg, save):
         xn, rsigma = ref.rmsnorm_fwd(x2d, norm_weight, cfg.eps, cfg.zero_centered_gamma)
         xb = xn.to(torch.bfloat16)
@@ -219,15 +222,8 @@ class BF16Reference(_BF16, ImageReference):
         gb = ref.rope_inverse_grad(dq2d, cos_h, sin_h, cfg).to(torch.bfloat16).float()
         return (gb,), (gb,)
 
-    def _xn_image(self, saved):
-        return saved[0]
-
 
 class BF16Kernels(_BF16, ImageKernels):
-    def _images(self, w, cfg):
-        wb = w.to(torch.bfloat16)
-        return wb, wb
-
     def norm_quant(self, x2d, norm_weight, cfg, save):
         from ..kernels._op import encoded
         from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
@@ -241,6 +237,3 @@ class BF16Kernels(_BF16, ImageKernels):
 
         g = rope_quant_op(dq2d, cos_h, sin_h, encoded(cfg), True, "bf16", False)[0]
         return (g,), (g,)
-
-    def _xn_image(self, saved):
-        return saved[0]
