@@ -47,6 +47,8 @@ def test_supported_geometries():
     assert not fp8_gemm.supported(_cfg((1536, 4, 128, 128, 256)))  # D > 192: two 64 x D fp32 tiles do not fit
     assert not fp8_gemm.supported(_cfg((1536, 4, 124, 68, 192)))  # an 8-column group both passes and rotates
     assert not fp8_gemm.supported(_cfg((1536, 4, 128, 36, 192), "neox"))  # neox partner not in the same thread
+    for style in ("deepseek", "gptj"):  # R/2 = 36: the tables' rows cannot be laid out in shared memory (the Triton
+        assert not fp8_gemm.supported(_cfg((1536, 4, 64, 72, 136), style))  # kernel serves it)
     assert fp8_gemm.key(_cfg(V3), 132) == "fp8rope_k1536_h128_d192_p128_r64_deepseek_sm132"
 
 
@@ -139,11 +141,13 @@ def test_v3_vs_reference(style, T):
                                           ((512, 8, 96, 64, 176), "gptj", 300),
                                           ((640, 4, 128, 64, 192), "deepseek", 200),
                                           ((128, 4, 128, 64, 192), "neox", 130),
-                                          ((384, 4, 64, 64, 128), "deepseek", 257)],
-                         ids=["k2", "k4_d176", "k5", "k1", "k3_d128"])
+                                          ((384, 4, 64, 64, 128), "deepseek", 257),
+                                          ((256, 4, 48, 64, 128), "deepseek", 77)],
+                         ids=["k2", "k4_d176", "k5", "k1", "k3_d128", "rope_across_halves"])
 def test_small_geometries(geom, style, T):
     """K blocks even and odd (the main loop runs two per step: 1, 2, 3, 4 and 5 blocks), D = 128 (one sub-tile: the
-    loop without overlap)."""
+    loop without overlap), and deepseek's a' columns [P, P + R/2) across the epilogue's two column halves (P = 48,
+    D = 128: a' of the first pairs in the first half, their b' in the second)."""
     cfg = _cfg(geom, style)
     _needs_engine(cfg)
     args, ref = _case(T, cfg, torch.device("cuda"))

@@ -31,14 +31,13 @@ FUNCTION = "qproj_fp8_rope_gemm"
 
 def supported(cfg: QProjConfig) -> bool:
     """Geometries the kernel covers: one head per [128, D] tile with D <= 192 (two fp32 tiles of 64 x D in 240
-    registers), 8-column groups that are all pass-through or all RoPE, neox pairs in one thread (R/2 % 8 == 0); a bf16
-    query (the MXFP8 query stays on the Triton kernel)."""
+    registers), 8-column groups that are all pass-through or all RoPE, R/2 % 8 == 0 (the RoPE tables' rows in shared
+    memory; neox pairs in one thread); a bf16 query (the MXFP8 query stays on the Triton kernel)."""
     if not isinstance(cfg, QProjConfig):
         return False
     D, P, R = cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim
     return (cfg.precision == "fp8_block" and cfg.output_format == "bf16"
-            and cfg.q_lora_rank % 128 == 0 and D % 8 == 0 and D <= 192 and P % 8 == 0 and R % 8 == 0
-            and (cfg.rope_style != "neox" or (R // 2) % 8 == 0))
+            and cfg.q_lora_rank % 128 == 0 and D % 8 == 0 and D <= 192 and P % 8 == 0 and R % 16 == 0)
 
 
 def key(cfg: QProjConfig, num_sms: int) -> str:

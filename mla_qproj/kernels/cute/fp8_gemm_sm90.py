@@ -25,8 +25,9 @@ and a few multiplies (a run-time select per group instead made the kernel 30 % s
 
 Epilogue, per consumer warpgroup: the rotation a' = a·c - b·s, b' = b·c + a·s on the fp32 accumulator (products
 rounded separately, as the reference computes them), one rounding to bf16, written to the warpgroup's own
-shared-memory tile at the output column (deepseek moves a' to P + i and b' to P + R/2 + i), then a TMA store, in two
-[64, D/2] halves through one buffer (the room the RoPE tables take). Rows past T are clipped by TMA. The warpgroups
+shared-memory tile at the output column as 32-bit words of two adjacent columns (deepseek moves a' to P + i and b' to
+P + R/2 + i: quad shuffles bring each lane the pairs of its words), then a TMA store, in two [64, D/2] halves through
+one buffer (the room the RoPE tables take). Rows past T are clipped by TMA. The warpgroups
 never wait for each other outside the K-block ring.
 
 The kernel is compiled per geometry (K, H, D, P, R, RoPE style) with T symbolic: one binary serves every T.
@@ -71,6 +72,32 @@ def _fma_rn(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32, *, loc=N
         asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def _bf16x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """(bf16(lo), bf16(hi)) rounded to nearest even in one 32-bit word, lo in the low half (the lower address)."""
+    return cutlass.Int32(llvm.inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _prmt(a: cutlass.Int32, b: cutlass.Int32, sel: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """The bytes of (b, a) picked by sel (prmt.b32): 0x5410 = (a's low half, b's low half), 0x7632 = (a's high
+    half, b's high half), the first in the low half."""
+    return cutlass.Int32(llvm.inline_asm(
+        cutlass.Int32.mlir_type, [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, sel)],
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _select(c, a: cutlass.Int32, b: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """a where c else b, as one select (no branch)."""
+    return cutlass.Int32(cutlass.select_(c, a, b))
+
+
 class Fp8BlockRopeGemmSm90:
     """y [T, H·D] bf16 = RoPE(blockwise A · Wᵀ), one [128, D] tile per (128 tokens, head)."""
 
@@ -81,8 +108,9 @@ class Fp8BlockRopeGemmSm90:
             raise ValueError(f"unsupported geometry K={K} D={D} P={P} R={R}")
         if style not in ("deepseek", "neox", "gptj") or (style == "neox" and (R // 2) % 8):
             raise ValueError(f"unsupported rope style {style!r} for R={R}")
-        if P % 8 or R % 8:
-            raise ValueError(f"P and R must be multiples of 8, got P={P} R={R}")
+        if P % 8 or R % 16:
+            raise ValueError(f"P must be a multiple of 8 and R of 16 (the tables' [64, R/2] rows in shared memory), "
+                             f"got P={P} R={R}")
         self.K, self.H, self.D, self.P, self.R, self.style = K, H, D, P, R, style
         self.RH = R // 2
         self.N = H * D
@@ -221,6 +249,9 @@ class Fp8BlockRopeGemmSm90:
         sA = st.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = st.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sY = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner)
+        # the same tile as 32-bit words (two bf16 columns each) for the epilogue's stores: the layout in words, the
+        # pointer's swizzle unchanged (it acts on byte addresses, as TMA's does)
+        sYw = st.sY.get_tensor(cute.recast_layout(32, 16, y_smem.outer), swizzle=y_smem.inner, dtype=cutlass.Int32)
         sTab = st.sTab.get_tensor(tab_smem.outer, swizzle=tab_smem.inner)  # (64, R/2, table·2 + warpgroup)
         sSW = st.sSW.get_tensor(cute.make_layout((self.n_sw, 2, 2)))  # (span·K blocks, buffer, warpgroup)
 
@@ -276,7 +307,7 @@ class Fp8BlockRopeGemmSm90:
             row_lo = ROWS_PER_WG * c + 16 * w_in_wg + lane // 4  # tile rows of this thread: row_lo, row_lo + 8
             T = mA.shape[0]
             store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
-            sYc = sY[(None, None, c)]
+            sYc = sYw[(None, None, c)]  # [64, epi_w / 2] words
 
             tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
             work = tiles.initial_work_tile_info()
@@ -464,43 +495,69 @@ class Fp8BlockRopeGemmSm90:
         return 4 * t + q
 
     @cute.jit
-    def _rope_store(self, acc: cute.Tensor, sY: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
+    def _rope_store(self, acc: cute.Tensor, sW: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
                     q: cutlass.Int32, lo: cutlass.Constexpr = 0):
-        """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, epi_w] tile: the output columns [lo, lo + epi_w)
-        of the head (a store's column group, 4 or 8 wide and aligned, lies on one side of the window's edges)."""
+        """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, epi_w] tile (sW: as [64, epi_w / 2] words): the
+        output columns [lo, lo + epi_w) of the head (a store's column group, 4 or 8 wide and aligned, lies on one side
+        of the window's edges). Every store writes two adjacent output columns as one 32-bit word. Where the output
+        keeps the accumulator's columns (pass-through, gptj, neox) that is the thread's own pair (2q, 2q + 1) of a
+        group. deepseek moves a' and b' of pair i to columns P + i and P + R/2 + i; lane q holds pairs 4t + q of rope
+        group t, packed as words (a', b'), and stores a' and b' of pairs 8u + 2q, 8u + 2q + 1: the words lanes 2q % 4
+        and (2q + 1) % 4 of its quad hold for group 2u + (q >= 2) (four shuffles per u), at the word offsets of the
+        pass-through stores."""
         P, RH, n = self.P, self.RH, self.R // 8
         hi = lo + self.epi_w
 
-        def put(row, base: int, off, v):  # output column base + off (off < the group's width)
+        def put2(row, base: int, v0, v1):  # output columns base + 2q, base + 2q + 1 (base a multiple of 8)
             if cutlass.const_expr(lo <= base < hi):
-                sY[(row, base - lo + off)] = v.to(self.y_dtype)
+                sW[(row, (base - lo) // 2 + q)] = _bf16x2(v0, v1)
 
+        def put_word(row, base: int, v):
+            if cutlass.const_expr(lo <= base < hi):
+                sW[(row, (base - lo) // 2 + q)] = v
+
+        lane = cute.arch.lane_idx()
+        src_a = (lane // 4) * 4 + (2 * q) % 4
+        src_b = src_a + 1
+        upper = q >= 2
+        held = [None, None]  # per row r2: the even rope group's word (the loops below are unrolled)
         for j in cutlass.range_constexpr(self.D // 8):
             col = 8 * j  # + 2q + c2
             for r2 in cutlass.range_constexpr(2):
                 row = lrow + 8 * r2
                 i0 = 4 * j + 2 * r2
                 if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
-                    put(row, col, 2 * q, acc[i0])
-                    put(row, col, 2 * q + 1, acc[i0 + 1])
+                    put2(row, col, acc[i0], acc[i0 + 1])
                 elif cutlass.const_expr(self.style != "neox"):  # pair (2i, 2i + 1) in this thread's two columns
                     t = (col - P) // 8
-                    i = (col - P) // 2  # + q
                     cs, sn = tab[r2 * n + t], tab[2 * n + r2 * n + t]
                     a, b = acc[i0], acc[i0 + 1]
                     ra = _mul_rn(a, cs) - _mul_rn(b, sn)
                     rb = _mul_rn(b, cs) + _mul_rn(a, sn)
                     if cutlass.const_expr(self.style == "deepseek"):
-                        put(row, P + i, q, ra)
-                        put(row, P + RH + i, q, rb)
+                        if cutlass.const_expr(t % 2 == 0):
+                            held[r2] = _bf16x2(ra, rb)  # group 2u's word, for the step of group 2u + 1
+                        else:
+                            w_odd, w_even = _bf16x2(ra, rb), held[r2]
+                            u = t // 2
+                            # every lane shuffles (a shuffle under a divergent branch is undefined), then picks
+                            x0 = _select(upper, cute.arch.shuffle_sync(w_odd, src_a),
+                                         cute.arch.shuffle_sync(w_even, src_a))
+                            x1 = _select(upper, cute.arch.shuffle_sync(w_odd, src_b),
+                                         cute.arch.shuffle_sync(w_even, src_b))
+                            put_word(row, P + 8 * u, _prmt(x0, x1, cutlass.Int32(0x5410)))
+                            put_word(row, P + RH + 8 * u, _prmt(x0, x1, cutlass.Int32(0x7632)))
                     else:
-                        put(row, col, 2 * q, ra)
-                        put(row, col, 2 * q + 1, rb)
+                        put2(row, col, ra, rb)
                 elif cutlass.const_expr(col < P + RH):  # neox: pair (i, i + R/2), partner R/16 column groups on
+                    ras = []
+                    rbs = []
                     for c2 in cutlass.range_constexpr(2):
                         t = 2 * ((col - P) // 8) + c2
                         cs, sn = tab[r2 * n + t], tab[2 * n + r2 * n + t]
                         a = acc[i0 + c2]
                         b = acc[i0 + c2 + 4 * (RH // 8)]
-                        put(row, col, 2 * q + c2, _mul_rn(a, cs) - _mul_rn(b, sn))
-                        put(row, col + RH, 2 * q + c2, _mul_rn(b, cs) + _mul_rn(a, sn))
+                        ras.append(_mul_rn(a, cs) - _mul_rn(b, sn))
+                        rbs.append(_mul_rn(b, cs) + _mul_rn(a, sn))
+                    put2(row, col, ras[0], ras[1])
+                    put2(row, col + RH, rbs[0], rbs[1])
