@@ -4,9 +4,10 @@ TP = 1 and 2 (sequence parallelism on and off), RoPE "rope" and "yarn" (mscale !
 The oracle is Megatron's own unmodified path (`MLASelfAttention`, a tiny 2-layer `GPTModel` of the same weights):
 - precision="bf16", fp32 parameters (bf16-valued weights): the fused query, dX, dW_uq and d(q_layernorm.weight)
   against Megatron's path with the layer's bf16 roundings injected by hooks on Megatron's own modules (xn rounded to
-  bf16, the query rounded to bf16, the query gradient rounded to bf16 where it enters the up projection's GEMMs):
-  values equal up to the fp32 summation order, rounded to bf16, so within REL_ERR_BF16_ROUNDING (a rare one-ulp
-  flip); keys and values bit for bit; and against the plain fp32 path within REL_ERR_BF16;
+  bf16, the query rounded to bf16, the query's gradient rounded to bf16 where it leaves the bf16 query and again
+  where it enters the up projection's GEMMs): equal up to the fp32 summation order (REL_ERR_REDUCTION_ORDER;
+  measured <= 3e-7: both sides round the same fp32 values, and no bf16 rounding flips at these inputs); keys and
+  values bit for bit; and against the plain fp32 path within REL_ERR_BF16;
 - the 2-layer model's loss and every parameter's gradient: the same two bounds;
 - precision="fp8_block" / "mxfp8": three SGD steps track the stock model: every step's loss, and each parameter's
   movement over the steps, within REL_ERR_FP8_BLOCK / REL_ERR_MXFP8 of the stock model's.
@@ -36,11 +37,10 @@ from test_distributed import _free_port  # noqa: E402
 
 from _tolerances import (  # noqa: E402
     REL_ERR_BF16,
-    REL_ERR_BF16_ROUNDING,
     REL_ERR_FP8_BLOCK,
     REL_ERR_MXFP8,
+    REL_ERR_REDUCTION_ORDER,
     assert_rel_err,
-    rel_err,
 )
 
 VOCAB, HIDDEN, HEADS, NOPE, ROPE, V = 96, 64, 4, 16, 16, 16
@@ -151,6 +151,19 @@ class _Round(torch.autograd.Function):
         return g
 
 
+class _RoundBoth(torch.autograd.Function):
+    """Forward and backward rounded to bf16: a bf16 tensor cast to fp32 (the layer's bf16 query, whose gradient
+    autograd hands back in bf16)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.bfloat16().float()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.bfloat16().float()
+
+
 class _RoundGrad(torch.autograd.Function):
     """Forward: identity; backward: the gradient rounded to bf16 (the layer's bf16 GEMM operand dy)."""
 
@@ -165,7 +178,8 @@ class _RoundGrad(torch.autograd.Function):
 
 def _inject_roundings(model) -> list:
     """Hooks on Megatron's own modules giving its query path the layer's bf16 roundings (precision="bf16",
-    output_format="bf16"); returns the handles."""
+    output_format="bf16": xn and the query rounded, the query's gradient rounded where it leaves the bf16 query and
+    again after the inverse RoPE, where it enters the GEMMs); returns the handles."""
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     handles = []
@@ -179,7 +193,7 @@ def _inject_roundings(model) -> list:
 
         def qkv(*args, _orig=orig, **kwargs):
             q, *rest = _orig(*args, **kwargs)
-            return (_Round.apply(q), *rest)
+            return (_RoundBoth.apply(q), *rest)
 
         m.get_query_key_value_tensors = qkv
         handles.append(qkv)
@@ -230,12 +244,10 @@ def _check_attention(tp: int, sp: bool, rope: str, backend: str, tag: str) -> No
     for key in ("k", "v"):
         assert torch.equal(got[key], plain[key]), f"{tag} {key} must be Megatron's, bit for bit"
     for key in ("q", "dx", "dW", "dnorm", "dWdown"):
-        assert_rel_err(got[key], want[key], REL_ERR_BF16_ROUNDING, f"{tag} {key} vs Megatron with bf16 roundings")
+        assert_rel_err(got[key], want[key], REL_ERR_REDUCTION_ORDER, f"{tag} {key} vs Megatron with bf16 roundings")
         assert_rel_err(got[key], plain[key], REL_ERR_BF16, f"{tag} {key} vs Megatron fp32")
-    if rope == "yarn":  # mscale matters: the query without it is far off
-        nope = got["q"][..., :NOPE]
-        assert rel_err(nope, want["q"][..., :NOPE]) <= REL_ERR_BF16_ROUNDING
-        assert rel_err(got["q"][..., NOPE:] / 1.1386, want["q"][..., NOPE:]) > 0.1
+    if rope == "yarn":  # the case exercises YaRN's mscale (the oracle applies it to cos and sin)
+        assert abs(attn.rotary_pos_emb(s)[1] - 1) > 0.1
 
 
 def _loss(model, ids, labels, s):
@@ -260,12 +272,12 @@ def _check_model(tp: int, sp: bool, rope: str, tag: str) -> None:
         loss.backward()
         losses[name] = loss.detach()
         grads[name] = {n: p.grad for n, p in model.named_parameters()}
-    assert_rel_err(losses["fused"], losses["rounded"], REL_ERR_BF16_ROUNDING, f"{tag} loss vs rounded Megatron")
+    assert_rel_err(losses["fused"], losses["rounded"], REL_ERR_REDUCTION_ORDER, f"{tag} loss vs rounded Megatron")
     assert_rel_err(losses["fused"], losses["stock"], REL_ERR_BF16, f"{tag} loss vs Megatron fp32")
     assert sorted(grads["fused"]) == sorted(grads["stock"])
     for n, g in grads["fused"].items():
         assert g is not None, f"{tag} {n} has no gradient"
-        assert_rel_err(g, grads["rounded"][n], REL_ERR_BF16_ROUNDING, f"{tag} grad {n} vs rounded Megatron")
+        assert_rel_err(g, grads["rounded"][n], REL_ERR_REDUCTION_ORDER, f"{tag} grad {n} vs rounded Megatron")
         assert_rel_err(g, grads["stock"][n], REL_ERR_BF16, f"{tag} grad {n} vs Megatron fp32")
 
 
@@ -278,6 +290,7 @@ def _check_training(tp: int, sp: bool, precision: str, tag: str, steps: int = 3)
     start = {n: p.detach().clone() for n, p in stock.named_parameters()}
     ids, labels = _batch(s)
     bound = STEP_BOUND[precision]
+    stock_losses = []
     for step in range(steps):
         losses = []
         for model in (fused, stock):
@@ -289,7 +302,8 @@ def _check_training(tp: int, sp: bool, precision: str, tag: str, steps: int = 3)
                 for p in model.parameters():
                     p -= 0.5 * p.grad
         assert_rel_err(losses[0], losses[1], bound, f"{tag} loss at step {step}")
-    assert losses[1] < 0.9 * _loss(_gpt(cfg, None), ids, labels, s).detach(), f"{tag} the stock model did not train"
+        stock_losses.append(losses[1])
+    assert stock_losses[-1] < stock_losses[0], f"{tag} the stock model did not train: {stock_losses}"
     for (n, p), (_, q) in zip(fused.named_parameters(), stock.named_parameters(), strict=True):
         assert_rel_err(p.detach() - start[n], q.detach() - start[n], bound, f"{tag} movement of {n}")
 
