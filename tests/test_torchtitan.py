@@ -1,0 +1,193 @@
+"""mla_qproj.torchtitan: TorchTitan 0.3.0's DeepSeek-V3 attention with the query path through FusedMLAQUpProjection,
+in one process (TP = 1), YaRN (mscale in TorchTitan's softmax scale) and plain RoPE.
+
+The oracle is TorchTitan's own unmodified forward on the same model (a tiny 2-layer DeepSeekV3Model):
+- precision="bf16", fp32 parameters (bf16-valued weights): the attention's output and the gradients of its input,
+  wq_b.weight, q_norm.weight and wq_a.weight against TorchTitan's forward with the layer's bf16 roundings injected
+  by hooks on its own modules (tests/_roundings.py: q_norm's output and the query rounded to bf16, the query's
+  gradient rounded where it leaves the bf16 query and after the inverse RoPE): REL_ERR_REDUCTION_ORDER; against the
+  plain fp32 forward: REL_ERR_BF16;
+- the model's loss and every parameter's gradient: the same two bounds;
+- precision="fp8_block" / "mxfp8": three SGD steps track the stock model (every step's loss within REL_ERR_FP8_BLOCK /
+  REL_ERR_MXFP8; both losses fall: per-parameter gradients of the whole model differ by 5-15 % at these sizes).
+backend="torch", except one interpreter case. CPU shim (test only): SDPA as the inner attention (TorchTitan's
+default FlexAttention has no CPU backward). Tensor parallelism (DTensor parameters) is not covered by the patch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan is not installed "
+                    "(pip install 'mla_qproj[integrations]')")
+
+from _roundings import Round, RoundBoth, RoundGrad  # noqa: E402
+
+from _tolerances import (  # noqa: E402
+    REL_ERR_BF16,
+    REL_ERR_FP8_BLOCK,
+    REL_ERR_MXFP8,
+    REL_ERR_REDUCTION_ORDER,
+    assert_rel_err,
+)
+
+VOCAB, DIM = 96, 64
+
+
+def _model(rope: str = "yarn", q_lora_rank: int = 32, seed: int = 0):
+    import torchtitan.models.deepseek_v3 as ds
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    scaling = dict(scaling="yarn", rope_factor=4.0, beta_fast=32.0, beta_slow=1.0, original_seq_len=16) \
+        if rope == "yarn" else {}
+    layers = ds._build_dsv3_layers(
+        n_layers=2, n_dense_layers=2, dim=DIM, n_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, mscale=0.7, dense_hidden_dim=96, moe_hidden_dim=32,
+        num_experts=4, num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=16, max_seq_len=256, theta=10000.0, **scaling))
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    cfg = DeepSeekV3Model.Config(
+        vocab_size=VOCAB, dim=DIM, layers=layers, mtp_layers=[],
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)))
+    model = cfg.build()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # O(1) activations, bf16-valued fp32 weights (the bf16 GEMM inputs are then exact)
+        for _, p in sorted(model.named_parameters()):
+            r = torch.randn(p.shape, generator=gen)
+            p.copy_((1 + 0.2 * r if p.dim() == 1 else r / p.shape[-1] ** 0.5).bfloat16().float())
+    return model
+
+
+def _attns(model):
+    from torchtitan.models.deepseek_v3.model import Attention
+
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def _inject_roundings(model) -> None:
+    """The layer's roundings in TorchTitan's own forward: q_norm's output rounded (straight-through); wq_b's output
+    has its gradient rounded (the GEMM operand after the inverse RoPE) and its pass-through columns rounded both
+    ways; the rotated rope columns rounded both ways after TorchTitan's RoPE (together: the layer's bf16 query)."""
+    for attn in _attns(model):
+        attn.q_norm.register_forward_hook(lambda mod, inp, out: Round.apply(out))
+
+        def wq_b_hook(mod, inp, out, attn=attn):
+            y = RoundGrad.apply(out).unflatten(-1, (attn.n_heads, attn.qk_head_dim))
+            nope, pe = torch.split(y, [attn.qk_nope_head_dim, attn.qk_rope_head_dim], dim=-1)
+            return torch.cat([RoundBoth.apply(nope), pe], dim=-1).flatten(-2)
+
+        attn.wq_b.register_forward_hook(wq_b_hook)
+
+        def rope_hook(mod, inp, out):
+            q, k = out
+            return RoundBoth.apply(q), k
+
+        attn.rope.register_forward_hook(rope_hook)
+
+
+def _grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _batch(s: int = 16, b: int = 2, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (b, s), generator=gen), torch.randint(0, VOCAB, (b, s), generator=gen)
+
+
+@pytest.mark.parametrize("rope,backend", [("yarn", "torch"), ("default", "torch"), ("yarn", "auto")])
+def test_attention_matches_torchtitan(rope, backend):
+    """One attention: output and gradients (input, wq_b, q_norm, wq_a) vs TorchTitan's own forward."""
+    from mla_qproj.torchtitan import fused_query_layer, patch_deepseek_v3
+
+    stock = _model(rope)
+    rounded, fused = copy.deepcopy(stock), copy.deepcopy(stock)
+    _inject_roundings(rounded)
+    patch_deepseek_v3(fused, backend=backend)
+    attn = _attns(fused)[0]
+    layer = fused_query_layer(attn)
+    assert layer.weight is attn.wq_b.weight and layer.norm_weight is attn.q_norm.weight
+    assert layer.cfg.rope_style == "gptj" and layer.backend == backend
+    assert list(fused.state_dict()) == list(stock.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 12, DIM, generator=gen)
+    pos = torch.arange(2, 14).expand(2, 12)  # positions other than 0 .. s - 1
+    dy = torch.randn(2, 12, DIM, generator=gen)
+    out = {}
+    for name, model in (("fused", fused), ("rounded", rounded), ("stock", stock)):
+        a = _attns(model)[0]
+        xx = x.clone().requires_grad_(True)
+        y = a(xx, None, pos)
+        (y * dy).sum().backward()
+        out[name] = dict(y=y.detach(), dx=xx.grad, dW=a.wq_b.weight.grad, dnorm=a.q_norm.weight.grad,
+                         dWa=a.wq_a.weight.grad, dWkv=a.wkv_b.weight.grad)
+    for key in out["fused"]:
+        assert_rel_err(out["fused"][key], out["rounded"][key], REL_ERR_REDUCTION_ORDER,
+                       f"{rope}/{backend} {key} vs TorchTitan with bf16 roundings")
+        assert_rel_err(out["fused"][key], out["stock"][key], REL_ERR_BF16, f"{rope}/{backend} {key} vs fp32")
+
+
+@pytest.mark.parametrize("rope", ["yarn", "default"])
+def test_model_loss_and_grads_match(rope):
+    from mla_qproj.torchtitan import patch_deepseek_v3, unpatch_deepseek_v3
+
+    stock = _model(rope)
+    rounded, fused = copy.deepcopy(stock), copy.deepcopy(stock)
+    _inject_roundings(rounded)
+    patch_deepseek_v3(fused, backend="torch")
+    ids, labels = _batch()
+    (lf, gf), (lr, gr), (ls, gs) = (_grads(m, ids, labels) for m in (fused, rounded, stock))
+    assert_rel_err(lf, lr, REL_ERR_REDUCTION_ORDER, "loss vs rounded TorchTitan")
+    assert_rel_err(lf, ls, REL_ERR_BF16, "loss vs TorchTitan fp32")
+    assert sorted(gf) == sorted(gs) and len(gf) == len(list(stock.parameters()))
+    for n in gs:
+        assert_rel_err(gf[n], gr[n], REL_ERR_REDUCTION_ORDER, f"grad {n} vs rounded TorchTitan")
+        assert_rel_err(gf[n], gs[n], REL_ERR_BF16, f"grad {n} vs TorchTitan fp32")
+    unpatch_deepseek_v3(fused)
+    assert torch.equal(_grads(fused, ids, labels)[0], ls), "unpatched: TorchTitan's forward again"
+
+
+@pytest.mark.parametrize("precision,bound", [("fp8_block", REL_ERR_FP8_BLOCK), ("mxfp8", REL_ERR_MXFP8)])
+def test_training_steps_track_stock(precision, bound):
+    from mla_qproj.torchtitan import patch_deepseek_v3
+
+    stock = _model("yarn", q_lora_rank=128 if precision == "fp8_block" else 32)
+    fused = patch_deepseek_v3(copy.deepcopy(stock), precision=precision, backend="torch")
+    ids, labels = _batch(s=64)
+    stock_losses = []
+    for step in range(3):
+        losses = []
+        for model in (fused, stock):
+            loss, grads = _grads(model, ids, labels)
+            losses.append(loss)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p -= 0.2 * grads[n]
+        assert_rel_err(losses[0], losses[1], bound, f"{precision} loss at step {step}")
+        stock_losses.append(losses[1])
+    assert stock_losses[-1] < stock_losses[0], f"the stock model did not train: {stock_losses}"
+    assert losses[0] < stock_losses[0], "the fused model did not train"
+
+
+def test_patch_errors():
+    from mla_qproj.torchtitan import patch_deepseek_v3
+
+    with pytest.raises(TypeError, match="rope_theta"):
+        patch_deepseek_v3(_model(), rope_theta=1.0)
+    with pytest.raises(ValueError, match="no torchtitan"):
+        patch_deepseek_v3(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="q_lora_rank"):  # fp8_block needs a multiple of 128
+        patch_deepseek_v3(_model(), precision="fp8_block")
