@@ -136,6 +136,10 @@ class Fp8BlockRopeGemmSm90:
         # tables' rows, which arrive by TMA during the main loop), or [64, D] where D/2 is not a multiple of 8
         self.epi_halves = D % 16 == 0
         self.epi_w = D // 2 if self.epi_halves else D
+        # the second half goes through the room of the warpgroup's RoPE tables (read into registers by then), so
+        # that it need not wait for the first half's store to read the buffer; the next tile's tables are loaded
+        # under its first K block's WGMMAs, once both stores have read their rooms
+        self.epi_in_tables = self.epi_halves and 2 * self.RH * 4 >= self.epi_w * 2
         self.w_blocks = -(-self.N // BLOCK)  # rows of W's 128x128 scale grid
         self.span = (BLOCK - 8 + D + BLOCK - 1) // BLOCK  # W blocks one head can touch (at most)
         self.threads = 3 * 128
@@ -178,7 +182,7 @@ class Fp8BlockRopeGemmSm90:
                                                 num_multicast=self.cluster_m)
         tma_y, tY = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mY,
                                                 cute.slice_(y_smem, (None, None, 0)), (ROWS_PER_WG, self.epi_w))
-        # the RoPE tables' rows of a warpgroup: [64, R/2] fp32 boxes, (cos, sin) x (warpgroup 0, 1)
+        # the RoPE tables' rows of a warpgroup: [64, R/2] fp32 boxes, stages (cos, sin) of warpgroup 0, then 1
         tab_smem = sm90_utils.make_smem_layout_epi(cutlass.Float32, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.RH),
                                                    4)
         tma_cos, tCos = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mCos,
@@ -252,7 +256,7 @@ class Fp8BlockRopeGemmSm90:
         # the same tile as 32-bit words (two bf16 columns each) for the epilogue's stores: the layout in words, the
         # pointer's swizzle unchanged (it acts on byte addresses, as TMA's does)
         sYw = st.sY.get_tensor(cute.recast_layout(32, 16, y_smem.outer), swizzle=y_smem.inner, dtype=cutlass.Int32)
-        sTab = st.sTab.get_tensor(tab_smem.outer, swizzle=tab_smem.inner)  # (64, R/2, table·2 + warpgroup)
+        sTab = st.sTab.get_tensor(tab_smem.outer, swizzle=tab_smem.inner)  # (64, R/2, warpgroup·2 + table)
         sSW = st.sSW.get_tensor(cute.make_layout((self.n_sw, 2, 2)))  # (span·K blocks, buffer, warpgroup)
 
         gA = cute.local_tile(mA, (self.bm, self.bk), (None, None))  # (bm, bk, m, k)
@@ -308,6 +312,14 @@ class Fp8BlockRopeGemmSm90:
             T = mA.shape[0]
             store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
             sYc = sYw[(None, None, c)]  # [64, epi_w / 2] words
+            # the second output half's buffer: this warpgroup's table stages (cos, sin: 2 x 64 x R/2 fp32), laid out
+            # as an epilogue stage (the first of the layout's two)
+            room = st.sTab.data_ptr() + 2 * c * ROWS_PER_WG * self.RH
+            sY2 = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=self.y_dtype), y_smem.outer)
+            sY2w = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=cutlass.Int32),
+                                    cute.recast_layout(32, 16, y_smem.outer))[(None, None, 0)]
+            tYsY2, _ = cpasync.tma_partition(tma_y, 0, cute.make_layout(1), cute.group_modes(sY2, 0, 2),
+                                             cute.group_modes(gY, 0, 2))
 
             tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
             work = tiles.initial_work_tile_info()
@@ -332,12 +344,6 @@ class Fp8BlockRopeGemmSm90:
             while work.is_valid_tile:
                 m, n = work.tile_idx[0], work.tile_idx[1]
                 buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
-                if w_in_wg == 0:  # this warpgroup's 64 rows of cos and sin, in flight during the main loop
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(tab_bar, 2 * ROWS_PER_WG * self.RH * 4)
-                    cute.copy(tma_cos, tTgC[(None, 2 * m + c)], tTsC[(None, c)], tma_bar_ptr=tab_bar)
-                    cute.copy(tma_sin, tTgS[(None, 2 * m + c)], tTsS[(None, 2 + c)],
-                              tma_bar_ptr=tab_bar)  # a warp-wide call: the TMA copy elects its own thread
                 nwork = ahead.get_current_work()
                 if nwork.is_valid_tile:
                     self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
@@ -352,24 +358,16 @@ class Fp8BlockRopeGemmSm90:
                 tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
                 nxt[0] = mSA[(0, r0)]
                 nxt[1] = mSA[(0, r1)]
-                for k in cutlass.range(self.k_tiles, unroll=1):
-                    ring.consumer_wait(state)
-                    for part in cutlass.range_constexpr(self.parts):
-                        warpgroup.fence()  # the K block's WGMMAs into blk, zeroed by the first, as one group
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)],
-                                      tCrB[part][(None, None, kb, state.index)], blk)
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                        warpgroup.commit_group()
-                        if cutlass.const_expr(part == 0):
-                            # the scale bookkeeping (address math, the next block's loads) while the WGMMAs run
-                            self._next_scales(cur, nxt, mSA, sSW, k, r0, r1, buf, c)
-                        warpgroup.wait_group(0)
-                        if cutlass.const_expr(part == self.parts - 1):
-                            ring.consumer_release(state)
-                        self._promote(acc, blk, cur, col0 - b0 * BLOCK, part)
-                    state.advance()
+                blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
+                          col0 - b0 * BLOCK)
+                # K block 0 peeled: under its WGMMAs this warpgroup's 64 rows of cos and sin are requested (in flight
+                # during the main loop); their room held the previous tile's second output half, whose store must
+                # have read it by then
+                state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, lambda: self._load_tables(
+                    w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin, tTgS, tTsS, m, c))
+                for k in cutlass.range(1, self.k_tiles, unroll=1):
+                    # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
+                    state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
 
                 # -------------------------------------------------------------------------------- epilogue
                 self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
@@ -377,15 +375,19 @@ class Fp8BlockRopeGemmSm90:
                 self._read_tables(tab, sTab, row_lo - ROWS_PER_WG * c, q, c)
                 halves = 2 if self.epi_halves else 1
                 for h in cutlass.range_constexpr(halves):
-                    if ct % 128 == 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous store has read sY
-                    store_bar.arrive_and_wait()
-                    self._rope_store(acc, sYc, tab, row_lo - ROWS_PER_WG * c, q, h * self.epi_w)
+                    in_tables = self.epi_in_tables and h == 1
+                    if cutlass.const_expr(not in_tables):
+                        if ct % 128 == 0:  # the previous store from sY has read it
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    store_bar.arrive_and_wait()  # (and, for the second half, every thread has read the tables)
+                    self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c, q,
+                                     h * self.epi_w)
                     # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     store_bar.arrive_and_wait()
                     if ct % 128 == 0:
-                        cute.copy(tma_y, tYsY[(None, c)], tYgY[(None, 2 * m + c, halves * n + h)])
+                        cute.copy(tma_y, tYsY2[(None, 0)] if in_tables else tYsY[(None, c)],
+                                  tYgY[(None, 2 * m + c, halves * n + h)])
                         cute.arch.cp_async_bulk_commit_group()
                 tiles.advance_to_next_work()
                 work = tiles.get_current_work()
@@ -393,6 +395,48 @@ class Fp8BlockRopeGemmSm90:
                 tcount += 1
             if ct % 128 == 0:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    def _k_block(self, state, tiled_mma, k, blocks, under_first=None):
+        """K block k of a tile at ring position `state` (plain Python, traced inline: its loops and branches are
+        compile-time): its WGMMAs into blk (zeroed by the first, one group per sub-tile), under them the scale
+        bookkeeping (and `under_first`, for block 0), then the promotion into acc. Returns the advanced state and
+        the MMA (its accumulate flag changed)."""
+        ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c, off = blocks
+        ring.consumer_wait(state)
+        for part in range(self.parts):
+            warpgroup.fence()
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in range(k_blocks):
+                cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)],
+                          tCrB[part][(None, None, kb, state.index)], blk)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            if part == 0:
+                if under_first is not None:
+                    under_first()
+                # the scale bookkeeping (address math, the next block's loads) while the WGMMAs run
+                self._next_scales(cur, nxt, mSA, sSW, k, r0, r1, buf, c)
+            warpgroup.wait_group(0)
+            if part == self.parts - 1:
+                ring.consumer_release(state)
+            self._promote(acc, blk, cur, off, part)
+        state.advance()
+        return state, tiled_mma
+
+    @cute.jit
+    def _load_tables(self, w_in_wg, lane, tab_bar, tma_cos: cute.CopyAtom, tTgC: cute.Tensor, tTsC: cute.Tensor,
+                     tma_sin: cute.CopyAtom, tTgS: cute.Tensor, tTsS: cute.Tensor, m, c):
+        """Warp 0 of consumer warpgroup c: TMA of its 64 rows of cos and sin into stages 2c, 2c + 1 (one barrier),
+        after its lane 0 (the thread that issues the output stores) saw its stores read their rooms."""
+        if w_in_wg == 0:
+            if lane == 0:
+                if cutlass.const_expr(self.epi_in_tables):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.mbarrier_arrive_and_expect_tx(tab_bar, 2 * ROWS_PER_WG * self.RH * 4)
+            cute.arch.sync_warp()
+            cute.copy(tma_cos, tTgC[(None, 2 * m + c)], tTsC[(None, 2 * c)], tma_bar_ptr=tab_bar)
+            cute.copy(tma_sin, tTgS[(None, 2 * m + c)], tTsS[(None, 2 * c + 1)],
+                      tma_bar_ptr=tab_bar)  # a warp-wide call: the TMA copy elects its own thread
 
     # The accumulator fragment of one thread (m64nDk32, fp32): element (c2, r2, j) = row row_lo + 8·r2, column
     # 8j + 2q + c2 of the warpgroup's 64 x D tile, q = lane % 4 (PTX ISA, wgmma D fragment layout).
@@ -435,8 +479,8 @@ class Fp8BlockRopeGemmSm90:
         for r2 in cutlass.range_constexpr(2):
             for t in cutlass.range_constexpr(n):
                 i = self._pair(t, q)
-                tab[r2 * n + t] = sTab[(lrow + 8 * r2, i, c)]
-                tab[2 * n + r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 + c)]
+                tab[r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 * c)]
+                tab[2 * n + r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 * c + 1)]
 
     @cute.jit
     def _promote(self, acc: cute.Tensor, blk: cute.Tensor, sc: cute.Tensor, off: cutlass.Int32,
