@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields, replace
 
 from ._constants import BLOCK_SHAPES, FP8_BLOCK, MX_BLOCK
 
-
 SCALE_MODES = ("rceil", "floor")
 ROPE_STYLES = ("deepseek", "neox", "gptj")
 PRECISIONS = ("mxfp8", "bf16", "fp8_block")

@@ -541,7 +541,8 @@ def _style(name: str) -> dict:
         return {"color": greys.get(name, "0.75"), "hatch": "//" if name.startswith(("compiled", "unfused")) else ""}
     palette = {"fp8_block": "tab:red", "bf16_gemm": "tab:green", "mxfp8": "tab:blue"}
     color = next(c for key, c in palette.items() if key in name)
-    hatches = {"cudagraph": "..", "posids": "\\\\", "colwise": "oo", "_out": "xx", "triton": "--"}  # one knob: own hatch
+    # one knob, one hatch
+    hatches = {"cudagraph": "..", "posids": "\\\\", "colwise": "oo", "_out": "xx", "triton": "--"}
     return {"color": color, "hatch": next((h for key, h in hatches.items() if key in name), "")}
 
 

@@ -32,7 +32,6 @@ from mla_qproj.hf import (  # noqa: E402
     unpatch_deepseek_v3,
 )
 
-from conftest import examples
 from _tolerances import (  # noqa: E402
     REL_ERR_BF16,
     REL_ERR_BF16_ROUNDING,
@@ -42,6 +41,7 @@ from _tolerances import (  # noqa: E402
     assert_rel_err,
     rel_err,
 )
+from conftest import examples  # noqa: E402
 
 HYP = settings(deadline=None, max_examples=examples(6))
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,

@@ -20,7 +20,6 @@ from mla_qproj.reference.mxfp8 import dequantize_columnwise
 from mla_qproj.reference.rope import apply_rope, apply_rope_inverse
 
 from _helpers import rope_oracle
-from conftest import examples
 from _tolerances import (
     MIN_CODE_MATCH,
     MIN_CODE_MATCH_FP8_TC,
@@ -32,6 +31,7 @@ from _tolerances import (
     assert_rel_err,
     rel_err_bound,
 )
+from conftest import examples
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HYP = settings(max_examples=examples(25), deadline=None)

@@ -21,6 +21,7 @@ from mla_qproj.reference.mxfp8 import (
     quantize_rowwise,
 )
 from mla_qproj.tensor import MXFP8Tensor
+
 from conftest import examples
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -24,7 +24,6 @@ from mla_qproj.reference.mxfp8 import dequantize_columnwise, dequantize_rowwise,
 from mla_qproj.reference.qproj import quantize_output
 from mla_qproj.reference.rope import apply_rope
 
-from conftest import examples
 from _tolerances import (
     MIN_CODE_MATCH,
     MIN_CODE_MATCH_FP8_TC,
@@ -35,6 +34,7 @@ from _tolerances import (
     code_match_fraction,
     rel_err,
 )
+from conftest import examples
 
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -625,7 +625,8 @@ OUT_ROWS = [("bf16", "mxfp8", True), ("bf16", "bf16", False), ("fp8_block", "mxf
 def _check_out_rows(operands, fmt, col, device, T, geo, style):
     """Launches over four token ranges written into `output_rows` of one preallocated output, in the order the
     overlapped sequence-parallel forward uses (a middle range first, then the others; the last range shorter when
-    T is not a multiple of 4 · 32, and ending in a partial block), with the whole T's config: the bytes of one launch over all T."""
+    T is not a multiple of 4 · 32, and ending in a partial block), with the whole T's config: the bytes of one launch
+    over all T."""
     q = -(-T // 128) * 32  # a quarter of T rounded up to whole 32-token blocks
     edges = [(q, 2 * q), (0, q), (2 * q, 3 * q), (3 * q, T)]
     assert all(t0 < t1 for t0, t1 in edges), edges

@@ -35,6 +35,8 @@ The kernel is compiled per geometry (K, H, D, P, R, RoPE style) with T symbolic:
 
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -363,8 +365,8 @@ class Fp8BlockRopeGemmSm90:
                 # K block 0 peeled: under its WGMMAs this warpgroup's 64 rows of cos and sin are requested (in flight
                 # during the main loop); their room held the previous tile's second output half, whose store must
                 # have read it by then
-                state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, lambda: self._load_tables(
-                    w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin, tTgS, tTsS, m, c))
+                state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, functools.partial(
+                    self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin, tTgS, tTsS, m, c))
                 for k in cutlass.range(1, self.k_tiles, unroll=1):
                     # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
                     state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
