@@ -37,7 +37,7 @@ def select(cfg: QProjConfig, backend: str, device: torch.device) -> Recipe:
 def fused_row_source(cfg: QProjConfig) -> torch.Tensor | None:
     """The fused forward GEMM's row order of W for this geometry and precision (CPU int64), or None when the fused
     kernel does not cover it (then the forward is a plain GEMM followed by the RoPE + output kernel)."""
-    from .kernels import qproj_gemm
+    from .kernels.triton import qproj_gemm
 
     if not qproj_gemm.fused_gemm_supported(cfg):
         return None

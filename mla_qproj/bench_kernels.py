@@ -64,9 +64,9 @@ def graph_ms(fn, n: int = 20) -> float:
 
 def rows(T: int) -> list[tuple[str, float, float, float]]:
     """(name, bytes moved, eager ms, graph ms) for the copy ceiling and each kernel at T tokens."""
-    from .kernels.rmsnorm_bwd import rmsnorm_bwd
-    from .kernels.rmsnorm_quant import rmsnorm_quant_fwd
-    from .kernels.rope_quant import rope_quant
+    from .kernels.triton.rmsnorm_bwd import rmsnorm_bwd
+    from .kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd
+    from .kernels.triton.rope_quant import rope_quant
 
     dev = "cuda"
     src = torch.randn(T * N // 2, device=dev)  # fp32: as many bytes as the bf16 [T, N] gradient
@@ -82,7 +82,7 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
     g = torch.rand(K, device=dev) + 0.5
     out.append(("RMSNorm + xn quant (fwd)", T * K * (2 + 2 + 1) + T * K / 32 + 4 * T,
                 lambda: rmsnorm_quant_fwd(x, g, 1e-6, False, "mxfp8", "rceil")))
-    from .kernels.mxfp8_quant import dequantize_columnwise_bf16
+    from .kernels.triton.mxfp8_quant import dequantize_columnwise_bf16
     from .reference.mxfp8 import quantize_columnwise
 
     xcd, xcs = quantize_columnwise(torch.randn(T, K, device=dev))
@@ -93,8 +93,8 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
     out.append(("RMSNorm backward", T * K * (4 + 2 + 2) + 4 * T,
                 lambda: rmsnorm_bwd(dxn, x, rs, g, False)))
     # block-scaled FP8 (SPEC §5): codes 1 byte, one fp32 scale per 128 elements
-    from .kernels.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd
-    from .kernels.rope_fp8_block import rope_fp8_block_bwd
+    from .kernels.triton.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd
+    from .kernels.triton.rope_fp8_block import rope_fp8_block_bwd
 
     kw8 = {k: v for k, v in kw.items() if k not in ("inverse", "scale_mode")}
     out.append(("fp8_block: inverse RoPE + dy quant (1x128, 128x1)",

@@ -24,7 +24,7 @@ class _QuantizeSTE(torch.autograd.Function):
     def forward(ctx, t, rowwise, columnwise, scale_mode, kernels):
         x2d = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
         if kernels:
-            from .kernels.mxfp8_quant import mxfp8_quantize_2d_op
+            from .kernels.triton.mxfp8_quant import mxfp8_quantize_2d_op
 
             rd, rs, cd, cs = mxfp8_quantize_2d_op(x2d, rowwise, columnwise, scale_mode)
         else:
@@ -124,7 +124,7 @@ def fp8_block_quantize(t: torch.Tensor, block_shape: tuple[int, int] = (1, 128),
         raise ValueError("t must have at least one dimension")
     x2d = t.detach().reshape(math.prod(t.shape[:-1]), t.shape[-1])  # = reshape(-1, N), also for N == 0
     if _backend.resolve_backend(backend, t.device):
-        from .kernels.fp8_block_quant import fp8_block_quantize_op
+        from .kernels.triton.fp8_block_quant import fp8_block_quantize_op
 
         return fp8_block_quantize_op(x2d, bm, bn, block_scale)
     return ref8.quantize_blocks(x2d, (bm, bn), block_scale)

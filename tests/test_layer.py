@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
-from mla_qproj.kernels.rope_quant import rope_quant
+from mla_qproj.kernels.triton.rope_quant import rope_quant
 from mla_qproj.reference.mxfp8 import dequantize_columnwise
 from mla_qproj.reference.rope import apply_rope, apply_rope_inverse
 

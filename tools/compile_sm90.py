@@ -110,7 +110,7 @@ def _cases(T: int):
     then the fp8_block recipe's kernels."""
     from mla_qproj._config import QProjConfig
     from mla_qproj._constants import DEEPSEEK_V3
-    from mla_qproj.kernels import (
+    from mla_qproj.kernels.triton import (
         fp8_block_quant,
         qproj_gemm,
         rmsnorm_fp8_block,
@@ -118,8 +118,8 @@ def _cases(T: int):
         rope_fp8_block,
         rope_quant,
     )
-    from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16, mxfp8_quant_2d
-    from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd
+    from mla_qproj.kernels.triton.mxfp8_quant import dequantize_columnwise_bf16, mxfp8_quant_2d
+    from mla_qproj.kernels.triton.rmsnorm_bwd import rmsnorm_bwd
 
     K, H, P, R = DEEPSEEK_V3
     D, N = P + R, H * (P + R)

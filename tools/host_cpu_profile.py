@@ -27,8 +27,8 @@ import torch  # noqa: E402
 
 from mla_qproj import FusedMLAQUpProjection  # noqa: E402
 from mla_qproj._constants import DEEPSEEK_V3  # noqa: E402
-from mla_qproj.kernels import qproj_gemm as qg  # noqa: E402
-from mla_qproj.kernels import rmsnorm_quant as rq  # noqa: E402
+from mla_qproj.kernels.triton import qproj_gemm as qg  # noqa: E402
+from mla_qproj.kernels.triton import rmsnorm_quant as rq  # noqa: E402
 from mla_qproj.recipes.base import PreparedWeight  # noqa: E402
 
 T = 4096
@@ -91,12 +91,12 @@ def _stub_all_kernels() -> None:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    import mla_qproj.kernels as kp
+    import mla_qproj.kernels.triton as kp
 
     for m in pkgutil.iter_modules(kp.__path__):
         if m.ispkg:
             continue
-        mod = importlib.import_module(f"mla_qproj.kernels.{m.name}")
+        mod = importlib.import_module(f"mla_qproj.kernels.triton.{m.name}")
         for name, obj in list(vars(mod).items()):
             if name.endswith("_kernel") and isinstance(obj, (JITFunction, InterpretedFunction)):
                 setattr(mod, name, _NoLaunch())

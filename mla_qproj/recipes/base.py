@@ -50,7 +50,7 @@ class Recipe:
     """Interface of a GEMM precision. `col_block`: tokens per block of the columnwise xn that backward saves (the
     local token count of a sequence-parallel rank must be a multiple; 1 = no token blocks). `n_align`: columns of N
     a head group of the backward must be a multiple of (the query gradient's row blocks must not straddle groups).
-    `fused_operands`: the operand kind of the fused forward GEMM (`kernels.qproj_gemm`: "bf16" images or
+    `fused_operands`: the operand kind of the fused forward GEMM (`kernels.triton.qproj_gemm`: "bf16" images or
     "fp8_block" codes), which fixes the row order of its weight."""
 
     name: ClassVar[str]
@@ -70,7 +70,7 @@ class Recipe:
 
     def prepare_weight(self, w: torch.Tensor, cfg: QProjConfig, key: tuple,
                        src: torch.Tensor | None) -> PreparedWeight:
-        """src: the fused GEMM's row order (`kernels.qproj_gemm.fused_row_source`) when it runs, else None."""
+        """src: the fused GEMM's row order (`kernels.triton.qproj_gemm.fused_row_source`) when it runs, else None."""
         raise NotImplementedError
 
     def norm_quant(self, x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: QProjConfig,
@@ -162,7 +162,7 @@ class Reference(Recipe):
 
 class Kernels(Recipe):
     """What every kernel implementation shares: the Triton RMSNorm backward, and the overlapped forward's row
-    writes through the Triton fused GEMM (`kernels.qproj_gemm`, W in its row order under pw["fused"])."""
+    writes through the Triton fused GEMM (`kernels.triton.qproj_gemm`, W in its row order under pw["fused"])."""
 
     kernels = True
 
@@ -176,12 +176,12 @@ class Kernels(Recipe):
         return pw.get("fused") is not None
 
     def query_buffers(self, T, cfg, like):
-        from ..kernels.qproj_gemm import default_config, qproj_gemm_outputs
+        from ..kernels.triton.qproj_gemm import default_config, qproj_gemm_outputs
 
         return qproj_gemm_outputs(T, cfg, like), default_config(T, like.device, cfg, self.fused_operands)
 
     def write_rows(self, a, pw, cos_h, sin_h, cfg, buffers, rows):
-        from ..kernels.qproj_gemm import output_rows
+        from ..kernels.triton.qproj_gemm import output_rows
 
         outs, config = buffers
         self.fused_launch(a, pw, cos_h[rows], sin_h[rows], cfg, output_rows(outs, rows.start, rows.stop), config)
@@ -191,6 +191,6 @@ class Kernels(Recipe):
         return (outs[0], None, None, None) if len(outs) == 1 else outs
 
     def rmsnorm_bwd(self, dxn, x2d, rsigma, norm_weight, zero_centered_gamma):
-        from ..kernels.rmsnorm_bwd import rmsnorm_bwd_op
+        from ..kernels.triton.rmsnorm_bwd import rmsnorm_bwd_op
 
         return rmsnorm_bwd_op(dxn, x2d, rsigma, norm_weight, zero_centered_gamma)

@@ -96,13 +96,13 @@ class FP8BlockKernels(_FP8Block, Kernels):
         if isinstance(w, tuple):  # pre-quantized
             wq, ws = self._prequantized(w)
         else:
-            from ..kernels.fp8_block_quant import fp8_block_quantize_op
+            from ..kernels.triton.fp8_block_quant import fp8_block_quantize_op
 
             # [N, K] codes, [N/128, K/128] scale_inv
             wq, ws = fp8_block_quantize_op(w.detach(), FP8_BLOCK, FP8_BLOCK, cfg.block_scale)
         tensors = {"wq": wq, "ws": ws}
         if src is not None and not cute_gemm.serves(cfg, wq.device):  # the Triton GEMM's row order, per-row scale
-            from ..kernels.qproj_gemm import prepare_fused_weight_fp8
+            from ..kernels.triton.qproj_gemm import prepare_fused_weight_fp8
 
             tensors["fused"], tensors["fused_sinv"] = prepare_fused_weight_fp8(wq, ws, cfg, src)
         if cublas_blockwise(wq.device, cfg.out_features):
@@ -112,7 +112,7 @@ class FP8BlockKernels(_FP8Block, Kernels):
 
     def norm_quant(self, x2d, norm_weight, cfg, save):
         from ..kernels._op import encoded
-        from ..kernels.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd_op
+        from ..kernels.triton.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd_op
         from .base import norm_arg
 
         rsigma, ad, asv, cd, cs = rmsnorm_fp8_block_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
@@ -126,7 +126,7 @@ class FP8BlockKernels(_FP8Block, Kernels):
         if cute_gemm.serves(cfg, ad.device):  # the warp-specialized CuTe DSL kernel (W in its own order)
             return cute_gemm.rope_gemm_fp8_op(ad, asv, pw["wq"], pw["ws"], cos_h, sin_h, encoded(cfg)), None, None, None
         if pw.get("fused") is not None:
-            from ..kernels.qproj_gemm import qproj_gemm_fp8_fwd_op
+            from ..kernels.triton.qproj_gemm import qproj_gemm_fp8_fwd_op
 
             outs = qproj_gemm_fp8_fwd_op(ad, asv, pw["fused"], pw["fused_sinv"], cos_h, sin_h, encoded(cfg))
             return query_outputs(*outs, T, cfg)
@@ -138,7 +138,7 @@ class FP8BlockKernels(_FP8Block, Kernels):
         return rope_epilogue(y, cos_h, sin_h, cfg)
 
     def fused_launch(self, a, pw, cos_h, sin_h, cfg, out, config):
-        from ..kernels.qproj_gemm import qproj_gemm_fwd
+        from ..kernels.triton.qproj_gemm import qproj_gemm_fwd
 
         ad, asv = a
         qproj_gemm_fwd(ad, pw["fused"], cos_h, sin_h, cfg, a_scale_inv=asv, w_scale_inv=pw["fused_sinv"],
@@ -158,7 +158,7 @@ class FP8BlockKernels(_FP8Block, Kernels):
 
     def grad_operands(self, dq2d, cos_h, sin_h, cfg):
         from ..kernels._op import encoded
-        from ..kernels.rope_fp8_block import rope_fp8_block_bwd_op
+        from ..kernels.triton.rope_fp8_block import rope_fp8_block_bwd_op
 
         dr, drs, dc, dcs = rope_fp8_block_bwd_op(dq2d, cos_h, sin_h, encoded(cfg))
         return (dr, drs), (dc, dcs)

@@ -42,7 +42,7 @@ def reference_query(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
 def rope_epilogue(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
     """The general forward's epilogue on the Triton path: y [T, N] fp32 -> RoPE + output quantization kernel."""
     from ..kernels._op import encoded
-    from ..kernels.rope_quant import rope_quant_op
+    from ..kernels.triton.rope_quant import rope_quant_op
 
     outs = rope_quant_op(y, cos_h, sin_h, encoded(cfg), False, cfg.output_format, cfg.columnwise_output)
     return query_outputs(*outs, y.shape[0], cfg)
@@ -95,14 +95,14 @@ class ImageKernels(_Images, Kernels):
         T = a.shape[0]
         if pw.get("fused") is not None:
             from ..kernels._op import encoded
-            from ..kernels.qproj_gemm import qproj_gemm_fwd_op
+            from ..kernels.triton.qproj_gemm import qproj_gemm_fwd_op
 
             outs = qproj_gemm_fwd_op(a, pw["fused"], cos_h, sin_h, encoded(cfg))
             return query_outputs(*outs, T, cfg)
         return rope_epilogue(mm_fp32(a, pw["fwd"].t()), cos_h, sin_h, cfg)
 
     def fused_launch(self, a, pw, cos_h, sin_h, cfg, out, config):
-        from ..kernels.qproj_gemm import qproj_gemm_fwd
+        from ..kernels.triton.qproj_gemm import qproj_gemm_fwd
 
         qproj_gemm_fwd(a[0], pw["fused"], cos_h, sin_h, cfg, check=False, config=config, out=out)
 
@@ -156,7 +156,7 @@ class MXFP8Reference(_MXFP8, ImageReference):
 
 class MXFP8Kernels(_MXFP8, ImageKernels):
     def _images(self, w, cfg):
-        from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
+        from ..kernels.triton.mxfp8_quant import mxfp8_quantize_2d_op
 
         rd, rs, cd, cs = mxfp8_quantize_2d_op(w, True, True, cfg.scale_mode)
         return (ref_mx.dequantize_rowwise(rd, rs, torch.bfloat16),
@@ -164,13 +164,13 @@ class MXFP8Kernels(_MXFP8, ImageKernels):
 
     def norm_quant(self, x2d, norm_weight, cfg, save):
         from ..kernels._op import encoded
-        from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
+        from ..kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd_op
 
         rsigma, a, xcd, xcs = rmsnorm_quant_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
         return rsigma, (a,), (xcd, xcs) if save else ()
 
     def wire_input(self, a, cfg: QProjConfig):
-        from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
+        from ..kernels.triton.mxfp8_quant import mxfp8_quantize_2d_op
 
         return mxfp8_quantize_2d_op(a[0], True, False, cfg.scale_mode)[:2]  # one pass (the reference's takes ~10)
 
@@ -179,8 +179,8 @@ class MXFP8Kernels(_MXFP8, ImageKernels):
 
     def grad_operands(self, dq2d, cos_h, sin_h, cfg):
         from ..kernels._op import encoded
-        from ..kernels.mxfp8_quant import mxfp8_quantize_2d_op
-        from ..kernels.rope_quant import rope_quant_op
+        from ..kernels.triton.mxfp8_quant import mxfp8_quantize_2d_op
+        from ..kernels.triton.rope_quant import rope_quant_op
 
         args = (cos_h, sin_h, encoded(cfg), True)
         if cfg.q_head_dim % 32 == 0:  # the N-blocks stay inside a head: one fused pass
@@ -194,7 +194,7 @@ class MXFP8Kernels(_MXFP8, ImageKernels):
         return (row,), (ref_mx.dequantize_columnwise(cd, cs, torch.bfloat16),)
 
     def _xn_image(self, saved):
-        from ..kernels.mxfp8_quant import dequantize_columnwise_bf16_op
+        from ..kernels.triton.mxfp8_quant import dequantize_columnwise_bf16_op
 
         return dequantize_columnwise_bf16_op(*saved)
 
@@ -226,14 +226,14 @@ class BF16Reference(_BF16, ImageReference):
 class BF16Kernels(_BF16, ImageKernels):
     def norm_quant(self, x2d, norm_weight, cfg, save):
         from ..kernels._op import encoded
-        from ..kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
+        from ..kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd_op
 
         rsigma, a, _, _ = rmsnorm_quant_fwd_op(x2d, norm_arg(x2d, norm_weight), encoded(cfg), save)
         return rsigma, (a,), (a,) if save else ()
 
     def grad_operands(self, dq2d, cos_h, sin_h, cfg):
         from ..kernels._op import encoded
-        from ..kernels.rope_quant import rope_quant_op
+        from ..kernels.triton.rope_quant import rope_quant_op
 
         g = rope_quant_op(dq2d, cos_h, sin_h, encoded(cfg), True, "bf16", False)[0]
         return (g,), (g,)

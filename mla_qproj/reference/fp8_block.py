@@ -1,5 +1,5 @@
 """Block-scaled FP8 (SPEC §5: the DeepSeek-V3 / TransformerEngine Float8BlockScaling recipe) in plain PyTorch.
-Twin of `kernels/_fp8_block.py`: same names, same bytes. CPU-safe; the source of truth for the kernels' bytes.
+Twin of `kernels/triton/_fp8_block.py`: same names, same bytes. CPU-safe; the source of truth for the kernels' bytes.
 
 One fp32 scale per block of 128 (1x128 along a row, 128x1 along a column, or a 128x128 tile); E4M3 elements.
 A partial block at an edge has its amax over the elements that exist. Element codes follow SPEC §2's element

@@ -1,4 +1,4 @@
-"""MXFP8 quantization in plain PyTorch (SPEC §2). Twin of `kernels/_common.py`: same names, same steps.
+"""MXFP8 quantization in plain PyTorch (SPEC §2). Twin of `kernels/triton/_common.py`: same names, same steps.
 
 All arithmetic on the bit level is done on the fp32 image, so the result is defined to the byte and the
 Triton kernels (GPU and interpreter) can reproduce it exactly.

@@ -1,6 +1,6 @@
-"""The standalone block-scaled FP8 quantizer (kernels/fp8_block_quant.py, SPEC §5) vs reference/fp8_block.py, byte
-for byte (codes and scale_inv), and its public function `fp8_block_quantize`; the kernels' scale rule
-(kernels/_fp8_block.py `fp8_block_scale`) against the reference's. CPU lane: Triton's interpreter at small sizes;
+"""The standalone block-scaled FP8 quantizer (kernels/triton/fp8_block_quant.py, SPEC §5) vs reference/fp8_block.py,
+byte for byte (codes and scale_inv), and its public function `fp8_block_quantize`; the kernels' scale rule
+(kernels/triton/_fp8_block.py `fp8_block_scale`) against the reference's. CPU lane: Triton's interpreter at small sizes;
 `gpu` tests at large sizes."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_qproj import fp8_block_quantize
-from mla_qproj.kernels._common import cdiv
-from mla_qproj.kernels._fp8_block import block_scale_code, fp8_block_scale
-from mla_qproj.kernels.fp8_block_quant import Fp8BlockQuantConfig, fp8_block_quantize_2d, fp8_block_quantize_op
+from mla_qproj.kernels.triton._common import cdiv
+from mla_qproj.kernels.triton._fp8_block import block_scale_code, fp8_block_scale
+from mla_qproj.kernels.triton.fp8_block_quant import Fp8BlockQuantConfig, fp8_block_quantize_2d, fp8_block_quantize_op
 from mla_qproj.reference import fp8_block as F
 
 from _helpers import set_nan, special_matrix
@@ -207,7 +207,7 @@ def test_block_scale_code_is_host_code():
     import subprocess
     import sys
 
-    code = ("from mla_qproj.kernels._fp8_block import block_scale_code;"
+    code = ("from mla_qproj.kernels.triton._fp8_block import block_scale_code;"
             "print([block_scale_code(b) for b in ('pow2', 'fp32', 'deepseek')])")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mla_qproj._config import QProjConfig
-from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
-from mla_qproj.kernels.rope_quant import rope_quant
+from mla_qproj.kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd
+from mla_qproj.kernels.triton.rope_quant import rope_quant
 from mla_qproj.reference import mxfp8 as RM
 from mla_qproj.reference import qproj as RQ
 from mla_qproj.reference import rope as RR
@@ -21,10 +21,10 @@ from conftest import DEVICE
 
 def test_custom_ops_opcheck():
     """The torch.library registrations (schemas, fake implementations) that torch.compile relies on."""
-    from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16_op, mxfp8_quantize_2d_op
-    from mla_qproj.kernels.rmsnorm_bwd import rmsnorm_bwd_op
-    from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd_op
-    from mla_qproj.kernels.rope_quant import rope_quant_op
+    from mla_qproj.kernels.triton.mxfp8_quant import dequantize_columnwise_bf16_op, mxfp8_quantize_2d_op
+    from mla_qproj.kernels.triton.rmsnorm_bwd import rmsnorm_bwd_op
+    from mla_qproj.kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd_op
+    from mla_qproj.kernels.triton.rope_quant import rope_quant_op
 
     T, H, D, K = 33, 2, 64, 64
     x = torch.randn(T, K, device=DEVICE, dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
-"""MXFP8 quantization kernels (kernels/mxfp8_quant.py; interpreter on CPU, compiled on GPU) vs the reference,
+"""MXFP8 quantization kernels (kernels/triton/mxfp8_quant.py; interpreter on CPU, compiled on GPU) vs the reference,
 byte for byte: the quantizer through `mxfp8_quantize(backend="triton")`, the bf16 image of a columnwise tensor, and
-the GPU image path's multipliers (kernels/_common.py `image_multipliers_rceil`) against SPEC §2 rceil. The
+the GPU image path's multipliers (kernels/triton/_common.py `image_multipliers_rceil`) against SPEC §2 rceil. The
 reference's hand-derived SPEC §2 examples: tests/test_reference.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_qproj import mxfp8_quantize
-from mla_qproj.kernels._common import image_multipliers_rceil
+from mla_qproj.kernels.triton._common import image_multipliers_rceil
 from mla_qproj.reference import mxfp8 as R
 from mla_qproj.reference import mxfp8 as RM  # the name the columnwise-image and multiplier tests use
 
@@ -126,7 +126,7 @@ def test_dequantize_columnwise_kernel(T):
     x[0, 3], x[-1, 5], x[T // 2, 7] = float("nan"), -float("nan"), float("inf")
     x[:, 9] = 0.0
     cd, cs = RM.quantize_columnwise(x.to(DEVICE))
-    from mla_qproj.kernels.mxfp8_quant import dequantize_columnwise_bf16
+    from mla_qproj.kernels.triton.mxfp8_quant import dequantize_columnwise_bf16
 
     _same_bytes_or_both_nan(dequantize_columnwise_bf16(cd, cs), RM.dequantize_columnwise(cd, cs, torch.bfloat16),
                             "xn image")

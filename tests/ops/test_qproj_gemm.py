@@ -1,4 +1,4 @@
-"""Fused forward GEMM (kernels/qproj_gemm.py) vs the reference: q = quantize_output(RoPE(a · Wᵀ)).
+"""Fused forward GEMM (kernels/triton/qproj_gemm.py) vs the reference: q = quantize_output(RoPE(a · Wᵀ)).
 
 CPU lane: Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py when there is no CUDA device) at small
 sizes; GPU lane: the same tests compiled, plus the DeepSeek-V3 size (`gpu` marker). The only allowed difference
@@ -39,7 +39,7 @@ from conftest import examples
 if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from mla_qproj.kernels.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
+from mla_qproj.kernels.triton.qproj_gemm import (  # noqa: E402  (import after the lane is decided)
     HALF_N,
     HALF_WIDTHS,
     GemmConfig,
@@ -459,7 +459,7 @@ def test_bf16_operands_half_width_64(style, device):
 
 def test_half_width_layout_and_errors(device, monkeypatch):
     """The half width is fixed per (geometry, operands) and every layout helper and check follows it."""
-    from mla_qproj.kernels import qproj_gemm
+    from mla_qproj.kernels.triton import qproj_gemm
 
     monkeypatch.setattr(qproj_gemm, "_num_sms", lambda index: 132)  # the GPU chooser, without a GPU
     monkeypatch.setattr(qproj_gemm, "_DEFAULT_CONFIGS", {})
@@ -587,7 +587,7 @@ def test_gemm_custom_ops(operands, fmt, col, device):
     """`mla_qproj::qproj_gemm_fwd` / `qproj_gemm_fp8_fwd`: the launcher's bytes in eager mode (None for absent
     outputs) and through the registered op (empty tensors), and opcheck's schema and fake-tensor tests (the fake is
     the launcher's allocation)."""
-    from mla_qproj.kernels.qproj_gemm import qproj_gemm_fp8_fwd_op, qproj_gemm_fwd_op
+    from mla_qproj.kernels.triton.qproj_gemm import qproj_gemm_fp8_fwd_op, qproj_gemm_fwd_op
 
     cfg = _cfg(128, 2, 128, 64, 192, "neox", fmt, col)
     if operands == "fp8_block":
@@ -741,7 +741,7 @@ def test_fp8_configs_same_bytes_gpu(fmt, col, device):
 
 
 # ----------------------------------------------------------------------------- the store hint (`_store_half`)
-# The fused GEMM's store hint (kernels/qproj_gemm.py, `_store_half`): for deepseek / neox it tells the compiler
+# The fused GEMM's store hint (kernels/triton/qproj_gemm.py, `_store_half`): for deepseek / neox it tells the compiler
 # that every aligned run of V = min(SEG, HB) kernel columns of a half lands on V contiguous output columns starting at
 # a multiple of V. The compiled stores are vectorized on that promise (the interpreter ignores hints, so no CPU test
 # of the kernel's bytes can catch a wrong one); this checks the promise itself on the host twin of the kernel's column

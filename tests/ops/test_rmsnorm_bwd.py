@@ -1,4 +1,4 @@
-"""RMSNorm backward (kernels/rmsnorm_bwd.py) vs the reference: dx and dnorm_weight within their bounds over the
+"""RMSNorm backward (kernels/triton/rmsnorm_bwd.py) vs the reference: dx and dnorm_weight within their bounds over the
 program / row-chunk / partial-sum geometries, and run to run bit identical on the GPU (the serial interpreter
 cannot differ run to run)."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from mla_qproj.kernels.rmsnorm_bwd import RMSNormBwdConfig, rmsnorm_bwd
+from mla_qproj.kernels.triton.rmsnorm_bwd import RMSNormBwdConfig, rmsnorm_bwd
 from mla_qproj.reference import qproj as RQ
 
 from _tolerances import assert_bytes_equal, assert_rel_err

@@ -1,4 +1,4 @@
-"""RMSNorm + block-scaled FP8 quantize (kernels/rmsnorm_fp8_block.py, SPEC §5) vs reference/fp8_block.py: rsigma
+"""RMSNorm + block-scaled FP8 quantize (kernels/triton/rmsnorm_fp8_block.py, SPEC §5) vs reference/fp8_block.py: rsigma
 within 1e-6 and, given the kernel's rsigma, the 1x128 and 128x1 codes and scale_inv byte for byte in the kernel's
 layouts (the byte-transposing and the word-packed kernels). CPU lane: Triton's interpreter at small sizes; `gpu`
 tests at the DeepSeek-V3 shape."""
@@ -10,9 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from mla_qproj.kernels.rmsnorm_fp8_block import RMSNormFp8BlockConfig, rmsnorm_fp8_block_fwd, rmsnorm_fp8_block_fwd_op
-from mla_qproj.kernels.rmsnorm_quant import default_config as default_norm_config
-from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
+from mla_qproj.kernels.triton.rmsnorm_fp8_block import (
+    RMSNormFp8BlockConfig,
+    rmsnorm_fp8_block_fwd,
+    rmsnorm_fp8_block_fwd_op,
+)
+from mla_qproj.kernels.triton.rmsnorm_quant import default_config as default_norm_config
+from mla_qproj.kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd
 from mla_qproj.reference import fp8_block as F
 
 from _helpers import INF, NAN, assert_op_matches, special_matrix

@@ -1,6 +1,6 @@
-"""RMSNorm + MXFP8 quantize (kernels/rmsnorm_quant.py) vs the reference: rsigma within 1e-6 and, given the kernel's
-rsigma, the A image and the columnwise xn byte for byte, in both launch forms (an rsigma kernel then the quantize
-kernel, or one kernel)."""
+"""RMSNorm + MXFP8 quantize (kernels/triton/rmsnorm_quant.py) vs the reference: rsigma within 1e-6 and, given the
+kernel's rsigma, the A image and the columnwise xn byte for byte, in both launch forms (an rsigma kernel then the
+quantize kernel, or one kernel)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from mla_qproj.kernels import rmsnorm_quant as RN
-from mla_qproj.kernels.rmsnorm_quant import rmsnorm_quant_fwd
+from mla_qproj.kernels.triton import rmsnorm_quant as RN
+from mla_qproj.kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd
 from mla_qproj.reference import mxfp8 as RM
 from mla_qproj.reference import qproj as RQ
 

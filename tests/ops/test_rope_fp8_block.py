@@ -1,4 +1,4 @@
-"""Inverse RoPE + the gradient's two block-scaled FP8 quantizations (kernels/rope_fp8_block.py, SPEC §5) vs
+"""Inverse RoPE + the gradient's two block-scaled FP8 quantizations (kernels/triton/rope_fp8_block.py, SPEC §5) vs
 reference/fp8_block.py `grad_operands_fp8_block`, byte for byte in the kernel's layouts: the gather and
 contiguous-run kernels over geometries, styles, dtypes, strides and table layouts. CPU lane: Triton's interpreter at
 small sizes; `gpu` tests at the DeepSeek-V3 shape."""
@@ -11,8 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_qproj._config import QProjConfig
-from mla_qproj.kernels.rope_fp8_block import RopeFp8BlockConfig, fast_unit, rope_fp8_block_bwd, rope_fp8_block_bwd_op
-from mla_qproj.kernels.rope_fp8_block import default_config as default_rope_config
+from mla_qproj.kernels.triton.rope_fp8_block import (
+    RopeFp8BlockConfig,
+    fast_unit,
+    rope_fp8_block_bwd,
+    rope_fp8_block_bwd_op,
+)
+from mla_qproj.kernels.triton.rope_fp8_block import default_config as default_rope_config
 from mla_qproj.reference import fp8_block as F
 
 from _helpers import INF, assert_op_matches, set_nan

@@ -1,4 +1,4 @@
-"""RoPE + MXFP8 quantize (kernels/rope_quant.py) vs the reference, bit exact (fp32 RoPE in the same operation
+"""RoPE + MXFP8 quantize (kernels/triton/rope_quant.py) vs the reference, bit exact (fp32 RoPE in the same operation
 order): the forward (fp32, MXFP8 rowwise + columnwise, bf16) and the inverse with the gradient's images; the
 contiguous-tile kernel against the gather kernel on special values and over its launch configs; the pair-table
 checks."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mla_qproj._config import QProjConfig
-from mla_qproj.kernels.rope_quant import RopeQuantConfig, rope_quant
+from mla_qproj.kernels.triton.rope_quant import RopeQuantConfig, rope_quant
 from mla_qproj.reference import mxfp8 as RM
 from mla_qproj.reference import qproj as RQ
 from mla_qproj.reference import rope as RR

@@ -1,5 +1,5 @@
 """The CuTe DSL engine: sm_90a kernels written in NVIDIA's CuTe DSL (`cutlass.cute`, PyPI `nvidia-cutlass-dsl`), beside
-the Triton kernels of `mla_qproj/kernels/`. Triton cannot warp-specialize on sm_90 (no producer warp, no register
+the Triton kernels of `mla_qproj/kernels/triton/`. Triton cannot warp-specialize on sm_90 (no producer warp, no register
 reallocation), and the block-scaled FP8 GEMM needs both to run at the FP8 rate; CuTe DSL writes them directly.
 
 - `fp8_gemm_sm90.py`: the kernel (imports `cutlass`; loaded only when a kernel is compiled).

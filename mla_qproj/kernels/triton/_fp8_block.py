@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import BLOCK_SCALES, check_block_scale
-from .._constants import FLOAT_DTYPES, FLT_MAX
+from ..._config import BLOCK_SCALES, check_block_scale
+from ..._constants import FLOAT_DTYPES, FLT_MAX
 from ._common import amax, round_to_e4m3_grid, widen
 
 __all__ = ["fp8_block_scale", "block_scale_code", "encode_operand", "quantize_with_scale", "nan_sign", "nan_max",

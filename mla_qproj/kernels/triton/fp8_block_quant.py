@@ -10,9 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import check_block_shape
-from .._constants import FP8_BLOCK
-from . import _fp8_block, _op
+from ..._config import check_block_shape
+from ..._constants import FP8_BLOCK
+from .. import _op
+from . import _fp8_block
 from ._common import amax, cdiv
 from ._fp8_block import (
     block_amax,

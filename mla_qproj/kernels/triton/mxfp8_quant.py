@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._constants import MX_BLOCK
-from . import _op
+from ..._constants import MX_BLOCK
+from .. import _op
 from ._common import cdiv, e8m0_to_fp32, mx_quantize, widen
 from ._fp8_block import nan_sign
 

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import QProjConfig
-from .._constants import MX_BLOCK
-from . import _op
+from ..._config import QProjConfig
+from ..._constants import MX_BLOCK
+from .. import _op
 from ._common import cdiv, mx_image, mx_quantize, to_bf16, widen
 
 

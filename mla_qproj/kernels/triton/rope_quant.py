@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import QProjConfig
-from .._constants import MX_BLOCK
-from . import _op
+from ..._config import QProjConfig
+from ..._constants import MX_BLOCK
+from .. import _op
 from ._common import cdiv, check_pair_tables, mx_image, mx_quantize, rope_sources, to_bf16, widen
 
 

@@ -20,9 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import QProjConfig, interpreter_enabled
-from .._constants import FP8_BLOCK
-from . import _fp8_block, _op
+from ..._config import QProjConfig, interpreter_enabled
+from ..._constants import FP8_BLOCK
+from .. import _op
+from . import _fp8_block
 from ._common import amax, cdiv
 from ._fp8_block import (
     encode_operand,

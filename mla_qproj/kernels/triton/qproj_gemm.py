@@ -53,10 +53,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .._config import QProjConfig, interpreter_enabled
-from .._constants import FP8_BLOCK
-from .._constants import MX_BLOCK as _MX
-from . import _op
+from ..._config import QProjConfig, interpreter_enabled
+from ..._constants import FP8_BLOCK
+from ..._constants import MX_BLOCK as _MX
+from .. import _op
 from ._common import amax, cdiv, check_pair_tables, e8m0_from_amax, mx_quantize, quantize_e4m3, to_bf16, widen
 
 BLOCK_N = 256  # rows of W' per tile with the bf16 operands' half width HALF_N (W' tiles are 2·HB rows)

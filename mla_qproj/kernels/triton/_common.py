@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._constants import FLOAT_DTYPES
+from ..._constants import FLOAT_DTYPES
 
 _INV_E4M3_MAX = tl.constexpr(1.0 / 448.0)  # becomes fp32(1/448) against an fp32 operand (SPEC §2)
 _TWO_POW_23 = tl.constexpr(8388608.0)

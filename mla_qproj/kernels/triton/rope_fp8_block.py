@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .._config import ROPE_STYLES, QProjConfig, validate_choice
-from .._constants import FP8_BLOCK
-from . import _fp8_block, _op
+from ..._config import ROPE_STYLES, QProjConfig, validate_choice
+from ..._constants import FP8_BLOCK
+from .. import _op
+from . import _fp8_block
 from ._common import amax, cdiv, check_pair_tables, rope_sources
 from ._fp8_block import fp8_block_scale, nan_max, quantize_with_scale, widen
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _op
+from .. import _op
 from ._common import cdiv, next_power_of_2, widen
 
 
