@@ -72,6 +72,30 @@ def test_host_cpu_profile_tool_runs(tmp_path):
     assert "eager unfused composition" in out.stdout
 
 
+def test_compile_sm90_tool_compiles_without_spills(tmp_path):
+    """tools/compile_sm90.py on this machine (no GPU): the block-FP8 RMSNorm + quantize launch compiles for sm_90
+    (both its kernels, the rsigma kernel and the word-packed quantizer), with no spill stack and no local memory,
+    and the tool writes each kernel's SASS where asked."""
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "compile_sm90.py"), "-k",
+                          "rmsnorm_fp8_block T=16384 (train)", "--sass", str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("rmsnorm_fp8_block")]
+    kernels = {ln.split()[3] for ln in rows}
+    assert kernels == {"_rsigma_kernel", "_rmsnorm_fp8_block_packed_kernel"}, out.stdout
+    for ln in rows:
+        stats = dict(re.findall(r"(\w+)=(\d+)", ln))
+        assert stats["stack"] == "0" and stats["LDL"] == "0" and stats["STL"] == "0", ln
+        assert int(stats["regs"]) > 0 and int(stats["instr"]) > 0, ln
+    assert "0 case(s) failed to compile" in out.stdout
+    assert len(list(tmp_path.glob("*.sass"))) == 2
+
+
 def test_v2_lite_shape_builds_norm_free_rows():
     """--shape v2-lite: every variant of our layer is built norm-free at DeepSeek-V2-Lite's query geometry (hidden
     2048, 16 heads of 128 + 64), the peers' RMSNorm becomes the identity, and the forward and training rows exist;
