@@ -55,43 +55,38 @@ ROWS_PER_WG = 64  # rows of the output tile per consumer warpgroup (one m64 WGMM
 SMEM_BYTES = 227 * 1024  # sm_90 shared memory per block (opt-in maximum)
 
 
+def _asm(ty, args, text: str, constraints: str, loc, ip):
+    """One PTX instruction on 32-bit operands (args: (type, value) pairs), result of DSL type ty."""
+    return ty(llvm.inline_asm(ty.mlir_type, [t(v).ir_value(loc=loc, ip=ip) for t, v in args], text, constraints,
+                              has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+F32, I32 = cutlass.Float32, cutlass.Int32
+
+
 @dsl_user_op
 def _mul_rn(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
     """a·b rounded to fp32 on its own (mul.rn is never contracted into an fma)."""
-    return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type,
-        [cutlass.Float32(a).ir_value(loc=loc, ip=ip), cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
-        "mul.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+    return _asm(F32, ((F32, a), (F32, b)), "mul.rn.f32 $0, $1, $2;", "=f,f,f", loc, ip)
 
 
 @dsl_user_op
 def _fma_rn(a: cutlass.Float32, b: cutlass.Float32, c: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
     """fma(a, b, c) with one rounding."""
-    return cutlass.Float32(llvm.inline_asm(
-        cutlass.Float32.mlir_type, [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c)],
-        "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+    return _asm(F32, ((F32, a), (F32, b), (F32, c)), "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", loc, ip)
 
 
 @dsl_user_op
 def _bf16x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
     """(bf16(lo), bf16(hi)) rounded to nearest even in one 32-bit word, lo in the low half (the lower address)."""
-    return cutlass.Int32(llvm.inline_asm(
-        cutlass.Int32.mlir_type,
-        [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+    return _asm(I32, ((F32, hi), (F32, lo)), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", loc, ip)
 
 
 @dsl_user_op
 def _prmt(a: cutlass.Int32, b: cutlass.Int32, sel: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
     """The bytes of (b, a) picked by sel (prmt.b32): 0x5410 = (a's low half, b's low half), 0x7632 = (a's high
     half, b's high half), the first in the low half."""
-    return cutlass.Int32(llvm.inline_asm(
-        cutlass.Int32.mlir_type, [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (a, b, sel)],
-        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT))
+    return _asm(I32, ((I32, a), (I32, b), (I32, sel)), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", loc, ip)
 
 
 @dsl_user_op
