@@ -211,7 +211,9 @@ def _patched_forward(self, layer: FusedMLAQUpProjection, x: torch.Tensor, attent
         x = _replica(x, mesh)
     bsz, seqlen, _ = x.size()
     rope_dim = self.qk_rope_head_dim
-    slot = x.new_empty(()).expand(bsz, seqlen, 1, rope_dim)  # a query-shaped stand-in for the cache's layout
+    slot = torch.empty((), device=x.device).expand(bsz, seqlen, 1, rope_dim)  # query-shaped, for the cache's layout
+    if mesh is not None:  # a DTensor, so that TorchTitan's RoPE wraps plain positions for its DTensor cache
+        slot = DTensor.from_local(slot, mesh, [Replicate()], run_check=False)
     cache = self.rope._reshape_cache(slot, positions)  # complex [1 or b, s, 1, R/2] (a replica under TP)
     tables = cache.to_local() if isinstance(cache, DTensor) else cache
     cos, sin = tables.real[:, :, 0].float(), tables.imag[:, :, 0].float()

@@ -11,7 +11,17 @@ The oracle is TorchTitan's own unmodified forward on the same model (a tiny 2-la
 - precision="fp8_block" / "mxfp8": three SGD steps track the stock model (every step's loss within REL_ERR_FP8_BLOCK /
   REL_ERR_MXFP8; both losses fall: per-parameter gradients of the whole model differ by 5-15 % at these sizes).
 backend="torch", except one interpreter case. CPU shim (test only): SDPA as the inner attention (TorchTitan's
-default FlexAttention has no CPU backward). Tensor parallelism (DTensor parameters) is not covered by the patch.
+default FlexAttention has no CPU backward).
+
+Tensor parallelism, TP = 2 on gloo (two spawned ranks, one test): TorchTitan's own DeepSeek-V3 plan
+(`set_deepseek_v3_sharding_config`, no SP / EP) and `model.parallelize(ParallelDims(tp=2,
+spmd_backend="partial_dtensor"))`, CPU shim: TorchTitan's `device_type` set to "cpu". The oracle is the same
+parallelized model unpatched: one attention's output, dx and the full gradients of wq_b, q_norm, wq_a and wkv_b
+within the TP = 1 bounds (with the roundings injected, and plain fp32); the query TorchTitan's inner attention
+receives has the stock type, placements and shapes (a Shard(2) DTensor of 2 local heads); patching before
+`parallelize` gives the same bits as patching after; fp8_block: two SGD steps of the whole model track the stock TP
+model's loss (REL_ERR_FP8_BLOCK); a DTensor layout outside the plan (q_norm sharded) keeps TorchTitan's forward with
+a warning.
 """
 
 from __future__ import annotations
@@ -248,7 +258,7 @@ def _tp_check_attention(dims, tag: str) -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 12, DIM, generator=gen)
     dy = torch.randn(2, 12, DIM, generator=gen)
-    pos = None  # TorchTitan 0.3.0's RoPE under TP indexes its DTensor cache with plain positions and fails
+    pos = torch.arange(2, 14).expand(2, 12)  # positions other than 0 .. s - 1
     out, seen = {}, {}
     for name, model in models.items():
         a = _attns(model)[0]
@@ -260,6 +270,9 @@ def _tp_check_attention(dims, tag: str) -> None:
         out[name] = dict(y=_full(y).detach(), dx=xx.grad, dW=_full(a.wq_b.weight.grad),
                          dnorm=_full(a.q_norm.weight.grad), dWa=_full(a.wq_a.weight.grad),
                          dWkv=_full(a.wkv_b.weight.grad))
+    # the gradients land on the DTensor parameters: dW_uq as its Shard(0), d(norm weight) reduced (Replicate)
+    assert tuple(attn.wq_b.weight.grad.placements) == (Shard(0),), tag
+    assert tuple(attn.q_norm.weight.grad.placements) == (Replicate(),), tag
     assert seen["fused"]["q"] == seen["stock"]["q"] == ("DTensor", (Shard(2),), (2, 12, 4, 32), (2, 12, 2, 32)), \
         f"{tag} the query TorchTitan's inner attention receives: {seen}"
     for key in out["fused"]:
