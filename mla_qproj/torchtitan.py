@@ -23,11 +23,11 @@ patched forward replaces that wrapper and applies the attention's input rule its
 a plain x is taken as a replica), and `unpatch_deepseek_v3` puts the wrapper back.
 
 Not covered (the attention keeps TorchTitan's forward, with a one-line warning at patch time, or at the first call
-when the parameters change after patching): DTensor parameters in any other layout (FSDP / HSDP: a mesh of more
-than one dimension or a dp axis; `spmd_backend="full_dtensor"`; placements other than `wq_b` Shard(0) and `q_norm`
-Replicate; head counts the TP degree does not divide), `spmd_backend="spmd_types"` (plain local shards annotated
-with SPMD types), attentions without `q_lora_rank` (`wq`), RoPE classes other than `ComplexRoPE`. Written against
-torchtitan 0.3.0.
+when the parameters change after patching): DTensor parameters in any other layout (a mesh of more than one
+dimension: FSDP / HSDP, and `spmd_backend="full_dtensor"` where it unfolds the dp axes; placements other than `wq_b`
+Shard(0) and `q_norm` Replicate; head counts the TP degree does not divide), `spmd_backend="spmd_types"` (plain local
+shards annotated with SPMD types), attentions without `q_lora_rank` (`wq`), RoPE classes other than `ComplexRoPE`.
+Written against torchtitan 0.3.0.
 """
 
 from __future__ import annotations
