@@ -11,7 +11,17 @@ The oracle is TorchTitan's own unmodified forward on the same model (a tiny 2-la
 - precision="fp8_block" / "mxfp8": three SGD steps track the stock model (every step's loss within REL_ERR_FP8_BLOCK /
   REL_ERR_MXFP8; both losses fall: per-parameter gradients of the whole model differ by 5-15 % at these sizes).
 backend="torch", except one interpreter case. CPU shim (test only): SDPA as the inner attention (TorchTitan's
-default FlexAttention has no CPU backward). Tensor parallelism (DTensor parameters) is not covered by the patch.
+default FlexAttention has no CPU backward).
+
+Tensor parallelism, TP = 2 on gloo (two spawned ranks, one test): TorchTitan's own DeepSeek-V3 plan
+(`set_deepseek_v3_sharding_config`, no SP / EP) and `model.parallelize(ParallelDims(tp=2,
+spmd_backend="partial_dtensor"))`, CPU shim: TorchTitan's `device_type` set to "cpu". The oracle is the same
+parallelized model unpatched: one attention's output, dx and the full gradients of wq_b, q_norm, wq_a and wkv_b
+within the TP = 1 bounds (with the roundings injected, and plain fp32); the query TorchTitan's inner attention
+receives has the stock type, placements and shapes (a Shard(2) DTensor of 2 local heads); patching before
+`parallelize` gives the same bits as patching after; fp8_block: two SGD steps of the whole model track the stock TP
+model's loss (REL_ERR_FP8_BLOCK); a DTensor layout outside the plan (q_norm sharded) keeps TorchTitan's forward with
+a warning.
 """
 
 from __future__ import annotations
@@ -37,7 +47,10 @@ from _tolerances import (  # noqa: E402
 VOCAB, DIM = 96, 64
 
 
-def _model(rope: str = "yarn", q_lora_rank: int = 32, seed: int = 0):
+def _model(rope: str = "yarn", q_lora_rank: int = 32, seed: int = 0, tp_dims=None, parallelize: bool = True):
+    """The tiny model; with tp_dims (a ParallelDims) TorchTitan's DeepSeek-V3 sharding plan (no SP, no EP) is set on
+    its config and, with `parallelize`, `model.parallelize(tp_dims)` applied after the weights are set (the same on
+    every rank)."""
     import torchtitan.models.deepseek_v3 as ds
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -59,12 +72,18 @@ def _model(rope: str = "yarn", q_lora_rank: int = 32, seed: int = 0):
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)))
+    if tp_dims is not None:
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+        set_deepseek_v3_sharding_config(cfg, enable_sp=False, enable_ep=False)
     model = cfg.build()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # O(1) activations, bf16-valued fp32 weights (the bf16 GEMM inputs are then exact)
         for _, p in sorted(model.named_parameters()):
             r = torch.randn(p.shape, generator=gen)
             p.copy_((1 + 0.2 * r if p.dim() == 1 else r / p.shape[-1] ** 0.5).bfloat16().float())
+    if tp_dims is not None and parallelize:
+        model.parallelize(tp_dims)
     return model
 
 
@@ -191,3 +210,163 @@ def test_patch_errors():
         patch_deepseek_v3(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="q_lora_rank"):  # fp8_block needs a multiple of 128
         patch_deepseek_v3(_model(), precision="fp8_block")
+
+
+# ------------------------------------------------------------------------ TP = 2 on gloo (spawned ranks)
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _capture_query(model, store: dict) -> None:
+    """Record what the first attention's inner attention receives as q (type, placements, global and local shape)."""
+    def pre(mod, args, kwargs):
+        q = args[0]
+        store["q"] = (type(q).__name__, tuple(getattr(q, "placements", ())), tuple(q.shape),
+                      tuple(getattr(q, "_local_tensor", q).shape))
+
+    _attns(model)[0].inner_attention.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+def _tp_check_attention(dims, tag: str) -> None:
+    """One attention under TP = 2: output, dx and the gradients of wq_b / q_norm / wq_a / wkv_b (full tensors) vs
+    TorchTitan's own TP path on the same parallelized model, with and without the layer's roundings; the query
+    TorchTitan's inner attention receives has TorchTitan's type and placements; patching before `parallelize` gives
+    the same bits as patching after."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from mla_qproj.torchtitan import fused_query_layer, patch_deepseek_v3, unpatch_deepseek_v3
+
+    models = {name: _model("yarn", tp_dims=dims) for name in ("fused", "rounded", "stock")}
+    _inject_roundings(models["rounded"])
+    patch_deepseek_v3(models["fused"], backend="torch")
+    models["before"] = patch_deepseek_v3(_model("yarn", tp_dims=dims, parallelize=False), backend="torch")
+    models["before"].parallelize(dims)
+    attn = _attns(models["fused"])[0]
+    layer = fused_query_layer(attn)
+    assert layer.tp_size == 2 and layer.cfg.num_heads == 2 and layer.num_heads == 4, tag
+    assert dist.get_world_size(layer.par.group) == 2 and not layer.par.sequence_parallel, tag
+    w_local = attn.wq_b.weight.to_local()
+    assert layer.weight.data_ptr() == w_local.data_ptr() and layer.weight.shape == w_local.shape == (64, 32), tag
+    assert layer.norm_weight.data_ptr() == attn.q_norm.weight.to_local().data_ptr(), tag
+    assert list(models["fused"].state_dict()) == list(models["stock"].state_dict()), tag
+    mesh = attn.wq_b.weight.device_mesh
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 12, DIM, generator=gen)
+    dy = torch.randn(2, 12, DIM, generator=gen)
+    pos = torch.arange(2, 14).expand(2, 12)  # positions other than 0 .. s - 1
+    out, seen = {}, {}
+    for name, model in models.items():
+        a = _attns(model)[0]
+        seen[name] = {}
+        _capture_query(model, seen[name])
+        xx = x.clone().requires_grad_(True)  # the attention's input as TorchTitan hands it over: a replica
+        y = a(DTensor.from_local(xx, mesh, [Replicate()], run_check=False), None, pos)
+        (y * DTensor.from_local(dy, mesh, [Replicate()], run_check=False)).sum().backward()
+        out[name] = dict(y=_full(y).detach(), dx=xx.grad, dW=_full(a.wq_b.weight.grad),
+                         dnorm=_full(a.q_norm.weight.grad), dWa=_full(a.wq_a.weight.grad),
+                         dWkv=_full(a.wkv_b.weight.grad))
+    # the gradients land on the DTensor parameters: dW_uq as its Shard(0), d(norm weight) reduced (Replicate)
+    assert tuple(attn.wq_b.weight.grad.placements) == (Shard(0),), tag
+    assert tuple(attn.q_norm.weight.grad.placements) == (Replicate(),), tag
+    assert seen["fused"]["q"] == seen["stock"]["q"] == ("DTensor", (Shard(2),), (2, 12, 4, 32), (2, 12, 2, 32)), \
+        f"{tag} the query TorchTitan's inner attention receives: {seen}"
+    for key in out["fused"]:
+        assert_rel_err(out["fused"][key], out["rounded"][key], REL_ERR_REDUCTION_ORDER,
+                       f"{tag} {key} vs TorchTitan TP with bf16 roundings")
+        assert_rel_err(out["fused"][key], out["stock"][key], REL_ERR_BF16, f"{tag} {key} vs TorchTitan TP fp32")
+        assert torch.equal(out["before"][key], out["fused"][key]), f"{tag} {key}: patched before parallelize"
+    unpatch_deepseek_v3(models["fused"])
+    assert fused_query_layer(_attns(models["fused"])[0]) is None
+
+
+def _tp_check_training(dims, tag: str, steps: int = 2) -> None:
+    """precision="fp8_block" under TP = 2: SGD steps of the whole model track the stock TP model's loss."""
+    from mla_qproj.torchtitan import patch_deepseek_v3
+
+    stock = _model("yarn", q_lora_rank=128, tp_dims=dims)
+    fused = patch_deepseek_v3(_model("yarn", q_lora_rank=128, tp_dims=dims), precision="fp8_block", backend="torch")
+    ids, labels = _batch(s=64)
+    stock_losses = []
+    for step in range(steps):
+        losses = []
+        for model in (fused, stock):
+            model.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(_full(model(ids)).reshape(-1, VOCAB), labels.reshape(-1))
+            loss.backward()
+            losses.append(loss.detach())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.2 * p.grad
+        assert_rel_err(losses[0], losses[1], REL_ERR_FP8_BLOCK, f"{tag} fp8_block loss at step {step}")
+        stock_losses.append(losses[1])
+    assert stock_losses[-1] < stock_losses[0], f"{tag} the stock model did not train: {stock_losses}"
+    assert losses[0] < stock_losses[0], f"{tag} the fused model did not train"
+
+
+def _tp_check_fallback(dims, tag: str) -> None:
+    """A DTensor layout outside TorchTitan's TP plan (q_norm.weight sharded) keeps TorchTitan's forward, warned."""
+    import warnings
+
+    from torch import nn
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mla_qproj.torchtitan import fused_query_layer, patch_deepseek_v3
+
+    model = _model("yarn", tp_dims=dims)
+    attn = _attns(model)[0]
+    mesh = attn.wq_b.weight.device_mesh
+    attn.q_norm.weight = nn.Parameter(distribute_tensor(attn.q_norm.weight.detach().full_tensor(), mesh, [Shard(0)]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patch_deepseek_v3(model, backend="torch")
+    assert any("q_norm (Shard(dim=0),)" in str(w.message) for w in caught), f"{tag} {[str(w.message) for w in caught]}"
+    assert fused_query_layer(attn) is None and fused_query_layer(_attns(model)[1]) is not None, tag
+
+
+def _tp_worker(rank: int, world: int, port: int, errdir: str) -> None:
+    import os
+    import traceback
+    import warnings
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        import torchtitan.distributed.parallel_dims as parallel_dims
+        import torchtitan.tools.utils as tt_utils
+        from torchtitan.distributed import ParallelDims
+
+        tt_utils.device_type = parallel_dims.device_type = "cpu"  # TorchTitan builds its meshes on this device
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=world, pp=1, ep=1, world_size=world,
+                            spmd_backend="partial_dtensor")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _tp_check_attention(dims, f"[tp={world} rank={rank}]")
+            _tp_check_training(dims, f"[tp={world} rank={rank}]")
+        _tp_check_fallback(dims, f"[tp={world} rank={rank}]")
+        dist.barrier()
+    except Exception:
+        with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_matches_torchtitan(tmp_path):
+    """TP = 2 on gloo (TorchTitan's own `parallelize` with spmd_backend="partial_dtensor"): module doc."""
+    import torch.multiprocessing as mp
+    from test_distributed import _free_port
+
+    try:
+        mp.spawn(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    except mp.ProcessRaisedException:
+        errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
+        pytest.fail(f"a rank failed:\n{errs}")
