@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from _tolerances import assert_bytes_equal
+from _tolerances import assert_bytes_equal, assert_rel_err
 
 NAN, INF = float("nan"), float("inf")
 # log2 magnitudes each dtype holds (fp16: 2^-24 is its smallest subnormal, 2^15 its largest binade)
@@ -99,3 +99,23 @@ def rope_oracle(y: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, P: in
     ra, rb = a * c - b * s, b * c + a * s
     rot = torch.stack((ra, rb), dim=-1).flatten(-2) if style == "gptj" else torch.cat((ra, rb), dim=-1)
     return torch.cat((y[..., :P], rot, y[..., P + R:]), dim=-1)
+
+
+def sgd_side_by_side(fused, stock, loss_of, steps: int, lr: float, bound: float, tag: str) -> None:
+    """`steps` plain SGD steps of two models (loss_of(model) -> scalar loss, its backward filling p.grad): the fused
+    model's loss within `bound` of the stock model's at every step, and both models train."""
+    stock_losses = []
+    for step in range(steps):
+        losses = []
+        for model in (fused, stock):
+            model.zero_grad(set_to_none=True)
+            loss = loss_of(model)
+            loss.backward()
+            losses.append(loss.detach())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lr * p.grad
+        assert_rel_err(losses[0], losses[1], bound, f"{tag} loss at step {step}")
+        stock_losses.append(losses[1])
+    assert stock_losses[-1] < stock_losses[0], f"{tag} the stock model did not train: {stock_losses}"
+    assert losses[0] < stock_losses[0], f"{tag} the fused model did not train"

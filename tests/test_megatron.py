@@ -37,6 +37,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from _roundings import Round, RoundBoth, RoundGrad  # noqa: E402
 from test_distributed import _free_port  # noqa: E402
 
+from _helpers import sgd_side_by_side  # noqa: E402
 from _tolerances import (  # noqa: E402
     REL_ERR_BF16,
     REL_ERR_FP8_BLOCK,
@@ -254,21 +255,7 @@ def _check_training(tp: int, sp: bool, precision: str, tag: str, steps: int = 3)
     fused, stock = _gpt(cfg, {"precision": precision, "backend": "torch"}), _gpt(cfg, None)
     ids, labels = _batch(s)
     bound = STEP_BOUND[precision]
-    stock_losses = []
-    for step in range(steps):
-        losses = []
-        for model in (fused, stock):
-            model.zero_grad(set_to_none=True)
-            loss = _loss(model, ids, labels, s)
-            loss.backward()
-            losses.append(loss.detach())
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.5 * p.grad
-        assert_rel_err(losses[0], losses[1], bound, f"{tag} loss at step {step}")
-        stock_losses.append(losses[1])
-    assert stock_losses[-1] < stock_losses[0], f"{tag} the stock model did not train: {stock_losses}"
-    assert losses[0] < stock_losses[0], f"{tag} the fused model did not train"
+    sgd_side_by_side(fused, stock, lambda model: _loss(model, ids, labels, s), steps, 0.5, bound, tag)
 
 
 def _check_fallback(tag: str) -> None:

@@ -36,6 +36,7 @@ pytest.importorskip("torchtitan.models.deepseek_v3", reason="torchtitan is not i
 
 from _roundings import Round, RoundBoth, RoundGrad  # noqa: E402
 
+from _helpers import sgd_side_by_side  # noqa: E402
 from _tolerances import (  # noqa: E402
     REL_ERR_BF16,
     REL_ERR_FP8_BLOCK,
@@ -186,19 +187,8 @@ def test_training_steps_track_stock(precision, bound):
     stock = _model("yarn", q_lora_rank=128 if precision == "fp8_block" else 32)
     fused = patch_deepseek_v3(copy.deepcopy(stock), precision=precision, backend="torch")
     ids, labels = _batch(s=64)
-    stock_losses = []
-    for step in range(3):
-        losses = []
-        for model in (fused, stock):
-            loss, grads = _grads(model, ids, labels)
-            losses.append(loss)
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    p -= 0.2 * grads[n]
-        assert_rel_err(losses[0], losses[1], bound, f"{precision} loss at step {step}")
-        stock_losses.append(losses[1])
-    assert stock_losses[-1] < stock_losses[0], f"the stock model did not train: {stock_losses}"
-    assert losses[0] < stock_losses[0], "the fused model did not train"
+    sgd_side_by_side(fused, stock, lambda model: torch.nn.functional.cross_entropy(
+        model(ids).reshape(-1, VOCAB), labels.reshape(-1)), 3, 0.2, bound, precision)
 
 
 def test_patch_errors():
@@ -291,21 +281,8 @@ def _tp_check_training(dims, tag: str, steps: int = 2) -> None:
     stock = _model("yarn", q_lora_rank=128, tp_dims=dims)
     fused = patch_deepseek_v3(_model("yarn", q_lora_rank=128, tp_dims=dims), precision="fp8_block", backend="torch")
     ids, labels = _batch(s=64)
-    stock_losses = []
-    for step in range(steps):
-        losses = []
-        for model in (fused, stock):
-            model.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(_full(model(ids)).reshape(-1, VOCAB), labels.reshape(-1))
-            loss.backward()
-            losses.append(loss.detach())
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.2 * p.grad
-        assert_rel_err(losses[0], losses[1], REL_ERR_FP8_BLOCK, f"{tag} fp8_block loss at step {step}")
-        stock_losses.append(losses[1])
-    assert stock_losses[-1] < stock_losses[0], f"{tag} the stock model did not train: {stock_losses}"
-    assert losses[0] < stock_losses[0], f"{tag} the fused model did not train"
+    sgd_side_by_side(fused, stock, lambda model: torch.nn.functional.cross_entropy(
+        _full(model(ids)).reshape(-1, VOCAB), labels.reshape(-1)), steps, 0.2, REL_ERR_FP8_BLOCK, f"{tag} fp8_block")
 
 
 def _tp_check_fallback(dims, tag: str) -> None:
