@@ -30,7 +30,16 @@ from ..._constants import FP8_BLOCK
 from .. import _op
 from . import _fp8_block
 from ._common import amax, cdiv, check_pair_tables, rope_sources
-from ._fp8_block import fp8_block_scale, nan_max, quantize_with_scale, widen
+from ._fp8_block import (
+    encode_operand,
+    fp8_block_scale,
+    nan_max,
+    pack_e4m3_words,
+    quantize_with_scale,
+    runs_of,
+    widen,
+    widen_lean,
+)
 
 
 @triton.jit
@@ -178,6 +187,114 @@ def _rope_fp8_block_kernel(
         _store_col_blocks(b_3, o_t, i_t, T_pad, n0 + 3 * W, col_data_ptr, col_sinv_ptr, N, W, BLOCK_SCALE, EMULATED)
 
 
+@triton.jit
+def _packed_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
+                N: tl.constexpr, STYLE: tl.constexpr, W: tl.constexpr, EMULATED: tl.constexpr):
+    """`_contiguous_run`'s g as [TR, TJ, W] (token = TR-index * TJ + TJ-index; p_row, o_cs [TR, TJ, 1], m_t
+    [TR, TJ]): offsets contiguous in runs of 8 output columns (4 pairs), so that every thread holds TJ consecutive
+    tokens of 8 consecutive columns, the layout of the word-packed stores."""
+    HALF: tl.constexpr = R // 2
+    h = n0 // D
+    p0 = n0 - h * D - NOPE
+    m_t3 = m_t[:, :, None]
+    m = tl.where(n0 < N, m_t3, False)
+    p_head = p_row + h * D + NOPE
+    if (p0 >= 0) & (p0 < R):
+        if STYLE == "neox":
+            o_w = runs_of(0, W, 8)[None, None, :]
+            hi = p0 >= HALF
+            pair0 = tl.where(hi, p0 - HALF, p0)
+            b_x1 = widen_lean(tl.load(p_head + p0 + o_w, mask=m, other=0.0), EMULATED)
+            b_x2 = widen_lean(tl.load(p_head + tl.where(hi, p0 - HALF, p0 + HALF) + o_w, mask=m, other=0.0),
+                              EMULATED)
+            b_c = widen(tl.load(cos_ptr + o_cs + pair0 + o_w, mask=m_t3, other=1.0), EMULATED)
+            b_s = widen(tl.load(sin_ptr + o_cs + pair0 + o_w, mask=m_t3, other=0.0), EMULATED)
+            b_g = b_x1 * b_c + (tl.where(hi, -1.0, 1.0) * b_x2) * b_s
+        else:
+            o_h = runs_of(0, W // 2, 4)[None, None, :]
+            i0 = p0 // 2
+            if STYLE == "deepseek":
+                b_x1 = widen_lean(tl.load(p_head + i0 + o_h, mask=m, other=0.0), EMULATED)
+                b_x2 = widen_lean(tl.load(p_head + HALF + i0 + o_h, mask=m, other=0.0), EMULATED)
+            else:
+                tl.static_assert(STYLE == "gptj")
+                b_x = widen_lean(tl.load(p_head + p0 + runs_of(0, W, 8)[None, None, :], mask=m, other=0.0),
+                                 EMULATED)
+                b_x1, b_x2 = tl.split(tl.reshape(b_x, [b_x.shape[0], b_x.shape[1], W // 2, 2]))
+            b_c = widen(tl.load(cos_ptr + o_cs + i0 + o_h, mask=m_t3, other=1.0), EMULATED)
+            b_s = widen(tl.load(sin_ptr + o_cs + i0 + o_h, mask=m_t3, other=0.0), EMULATED)
+            b_g = tl.reshape(tl.join(b_x1 * b_c + b_x2 * b_s, b_x2 * b_c - b_x1 * b_s),
+                             [b_x1.shape[0], b_x1.shape[1], W])
+    else:
+        b_g = widen_lean(tl.load(p_row + n0 + runs_of(0, W, 8)[None, None, :], mask=m, other=0.0), EMULATED)
+    return b_g
+
+
+@triton.jit
+def _store_packed(b_g, b_scale, o_t, m_t, o_r, i_t, T_pad, n0, row_w_ptr, col_w_ptr, col_sinv_ptr, N: tl.constexpr,
+                  W: tl.constexpr, TJ: tl.constexpr, BLOCK_SCALE: tl.constexpr, EMULATED: tl.constexpr):
+    """Run [n0, n0 + W) of `_packed_run`'s g: its 1x128 codes (b_scale [TR, TJ]: the rows' block scale) as words of
+    4 columns, its 128x1 blocks' codes as words of 4 tokens in the transposed [N, T_pad] layout, their scale_inv.
+    Rows past T hold 0 (their loads): their codes are the padding's zero codes."""
+    o_c = n0 + runs_of(0, W, 8)
+    m_c = o_c < N
+    b_rw = pack_e4m3_words(encode_operand(b_g, b_scale[:, :, None], BLOCK_SCALE), EMULATED)  # [TR, TJ, W/4]
+    o_cw = n0 // 4 + runs_of(0, W // 4, 2)
+    tl.store(row_w_ptr + o_t[:, :, None] * (N // 4) + o_cw[None, None, :], b_rw,
+             mask=m_t[:, :, None] & (o_cw < N // 4)[None, None, :])
+    b_cscale, b_csinv = fp8_block_scale(amax(amax(b_g, 1, EMULATED), 0, EMULATED), BLOCK_SCALE)  # [W]
+    b_cw = pack_e4m3_words(tl.permute(encode_operand(b_g, b_cscale[None, None, :], BLOCK_SCALE), (0, 2, 1)),
+                           EMULATED)  # [TR, W, TJ/4]
+    o_tw = (i_t * 128 + o_r[:, None] * TJ) // 4 + tl.arange(0, TJ // 4)[None, :]  # [TR, TJ/4]: token words
+    p_cw = col_w_ptr + o_c.to(tl.int64)[None, :, None] * (T_pad // 4) + o_tw[:, None, :]
+    # a thread-row's TJ tokens (TJ | 16 | T_pad) are all in [0, T_pad) or all out
+    tl.store(p_cw, b_cw, mask=(i_t * 128 + o_r * TJ < T_pad)[:, None, None] & m_c[None, :, None])
+    tl.store(col_sinv_ptr + i_t * N + o_c, b_csinv, mask=m_c)
+
+
+@triton.jit
+def _rope_fp8_block_packed_kernel(
+    dq_ptr, stride_dq, cos_ptr, sin_ptr, stride_cs,
+    row_w_ptr, row_sinv_ptr, col_w_ptr, col_sinv_ptr,
+    T, T_pad,
+    H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
+    W: tl.constexpr, TJ: tl.constexpr, BLOCK_SCALE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr,
+    EMULATED: tl.constexpr,
+):
+    """`_rope_fp8_block_kernel`'s bytes (contiguous runs only) from [TR, TJ, W] runs: every thread holds TJ
+    consecutive tokens of 8 consecutive columns, so both code layouts are stored as 32-bit words packed in
+    registers (4 columns of a row; 4 tokens of a column of the transposed layout), with no byte transposition."""
+    tl.static_assert((W == 64) | (W == 32))
+    TR: tl.constexpr = 128 // TJ
+    i_t = tl.program_id(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64)
+    i_n = tl.program_id(1 if TOKENS_ON_AXIS0 else 0)
+    N: tl.constexpr = H * D
+    o_r = tl.arange(0, TR)
+    o_t = i_t * 128 + o_r[:, None] * TJ + tl.arange(0, TJ)[None, :]  # [TR, TJ]
+    m_t = o_t < T
+    p_row = dq_ptr + o_t[:, :, None] * stride_dq  # [TR, TJ, 1]
+    o_cs = o_t[:, :, None] * stride_cs
+    n0 = i_n * 128
+    b_0 = _packed_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D, NOPE, R, N, STYLE, W, EMULATED)
+    b_1 = _packed_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + W, D, NOPE, R, N, STYLE, W, EMULATED)
+    b_amax = nan_max(amax(b_0, 2, EMULATED), amax(b_1, 2, EMULATED), EMULATED)
+    if W == 32:
+        b_2 = _packed_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 2 * W, D, NOPE, R, N, STYLE, W, EMULATED)
+        b_3 = _packed_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 3 * W, D, NOPE, R, N, STYLE, W, EMULATED)
+        b_amax = nan_max(b_amax, nan_max(amax(b_2, 2, EMULATED), amax(b_3, 2, EMULATED), EMULATED), EMULATED)
+    b_scale, b_sinv = fp8_block_scale(b_amax, BLOCK_SCALE)  # [TR, TJ]: one 1x128 block per row
+    tl.store(row_sinv_ptr + i_n.to(tl.int64) * T + o_t, b_sinv, mask=m_t)  # M-major [ceil(N/128), T]
+    _store_packed(b_0, b_scale, o_t, m_t, o_r, i_t, T_pad, n0, row_w_ptr, col_w_ptr, col_sinv_ptr, N, W, TJ,
+                  BLOCK_SCALE, EMULATED)
+    _store_packed(b_1, b_scale, o_t, m_t, o_r, i_t, T_pad, n0 + W, row_w_ptr, col_w_ptr, col_sinv_ptr, N, W, TJ,
+                  BLOCK_SCALE, EMULATED)
+    if W == 32:
+        _store_packed(b_2, b_scale, o_t, m_t, o_r, i_t, T_pad, n0 + 2 * W, row_w_ptr, col_w_ptr, col_sinv_ptr, N,
+                      W, TJ, BLOCK_SCALE, EMULATED)
+        _store_packed(b_3, b_scale, o_t, m_t, o_r, i_t, T_pad, n0 + 3 * W, row_w_ptr, col_w_ptr, col_sinv_ptr, N,
+                      W, TJ, BLOCK_SCALE, EMULATED)
+
+
 def unit_fits(w: int, qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -> bool:
     """Run width w (64 or 32) of the contiguous-run kernel: it must divide qk_head_dim, the rope run (R for deepseek /
     gptj, each half R/2 for neox) and head_dim (then the trailing pass-through too)."""
@@ -194,11 +311,20 @@ def fast_unit(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -
 @dataclass(frozen=True)
 class RopeFp8BlockConfig:
     """Launch parameters: unit = the run width W (64 or 32); gather = runs gather their sources per column (any
-    geometry) instead of reading contiguous runs (needs `unit_fits`); num_warps."""
+    geometry) instead of reading contiguous runs (needs `unit_fits`); num_warps; packed = contiguous runs as
+    [TR, TJ, W] tiles stored as 32-bit words (`_rope_fp8_block_packed_kernel`; needs gather=False and
+    `packed_tokens` in (4, 8, 16))."""
 
     unit: int = 32
     gather: bool = True
     num_warps: int = 8
+    packed: bool = False
+
+
+def packed_tokens(unit: int, num_warps: int) -> int:
+    """Consecutive tokens per thread (TJ) of the packed kernel: 8 columns per thread, unit / 8 threads of a warp
+    along a run's columns, the warp's other threads and the warps along the tokens."""
+    return 128 * (unit // 8) // (32 * num_warps)
 
 
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
@@ -263,10 +389,24 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
         raise ValueError(f"config {cfg} does not fit the geometry (qk_head_dim {qk_head_dim}, rope_dim {rope_dim}, "
                          f"head_dim {head_dim}, {rope_style}): unit must be 64 or 32, and contiguous runs "
                          f"(gather=False) need `unit_fits`")
+    tj = packed_tokens(cfg.unit, cfg.num_warps)
+    if cfg.packed and (cfg.gather or tj not in (4, 8, 16)):
+        raise ValueError(f"config {cfg}: the packed kernel needs contiguous runs (gather=False) and 4, 8 or 16 "
+                         f"tokens per thread; unit {cfg.unit} with {cfg.num_warps} warps gives {tj}")
     n_t, n_n = cdiv(T, FP8_BLOCK), cdiv(N, FP8_BLOCK)
     tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
     emulated = _op.emulated(dq2d.device)
     grid = (n_t, n_n) if tokens_on_axis0 else (n_n, n_t)
+    if cfg.packed:
+        # codes as int32 words: N % 4 == 0 (W | head_dim) and T_pad % 16 == 0
+        _rope_fp8_block_packed_kernel[grid](
+            dq_ptr=dq2d, stride_dq=dq2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
+            row_w_ptr=rd.view(torch.int32), row_sinv_ptr=rs, col_w_ptr=cd.view(torch.int32), col_sinv_ptr=cs,
+            T=T, T_pad=cd.shape[1], H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style,
+            W=cfg.unit, TJ=tj, BLOCK_SCALE=_fp8_block.block_scale_code(block_scale),
+            TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False,
+        )
+        return outs
     _rope_fp8_block_kernel[grid](
         dq_ptr=dq2d, stride_dq=dq2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
         row_data_ptr=rd.view(torch.uint8), row_sinv_ptr=rs, col_data_ptr=cd.view(torch.uint8), col_sinv_ptr=cs,
