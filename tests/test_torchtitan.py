@@ -19,7 +19,8 @@ spmd_backend="partial_dtensor"))`, CPU shim: TorchTitan's `device_type` set to "
 parallelized model unpatched: one attention's output, dx and the full gradients of wq_b, q_norm, wq_a and wkv_b
 within the TP = 1 bounds (with the roundings injected, and plain fp32); the query TorchTitan's inner attention
 receives has the stock type, placements and shapes (a Shard(2) DTensor of 2 local heads); patching before
-`parallelize` gives the same bits as patching after; fp8_block: two SGD steps of the whole model track the stock TP
+`parallelize` gives the same bits as patching after; bf16: the whole model's loss and every parameter's full
+gradient within the TP = 1 bounds; fp8_block: two SGD steps of the whole model track the stock TP
 model's loss (REL_ERR_FP8_BLOCK); a DTensor layout outside the plan (q_norm sharded) keeps TorchTitan's forward with
 a warning.
 """
@@ -115,12 +116,31 @@ def _inject_roundings(model) -> None:
         attn.rope.register_forward_hook(rope_hook)
 
 
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _grads(model, ids, labels):
+    """The loss and every parameter's gradient (full tensors under TP)."""
     model.zero_grad(set_to_none=True)
-    logits = model(ids)
+    logits = _full(model(ids))
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_model_matches(models: dict, ids, labels, tag: str) -> None:
+    """models["fused"] (patched, bf16) against models["rounded"] (the layer's roundings injected) and
+    models["stock"]: the loss and every parameter's gradient."""
+    (lf, gf), (lr, gr), (ls, gs) = (_grads(models[k], ids, labels) for k in ("fused", "rounded", "stock"))
+    assert_rel_err(lf, lr, REL_ERR_REDUCTION_ORDER, f"{tag} loss vs rounded TorchTitan")
+    assert_rel_err(lf, ls, REL_ERR_BF16, f"{tag} loss vs TorchTitan fp32")
+    assert sorted(gf) == sorted(gs) and len(gf) == len(list(models["stock"].parameters())), tag
+    for n in gs:
+        assert_rel_err(gf[n], gr[n], REL_ERR_REDUCTION_ORDER, f"{tag} grad {n} vs rounded TorchTitan")
+        assert_rel_err(gf[n], gs[n], REL_ERR_BF16, f"{tag} grad {n} vs TorchTitan fp32")
 
 
 def _batch(s: int = 16, b: int = 2, seed: int = 1):
@@ -169,15 +189,10 @@ def test_model_loss_and_grads_match(rope):
     _inject_roundings(rounded)
     patch_deepseek_v3(fused, backend="torch")
     ids, labels = _batch()
-    (lf, gf), (lr, gr), (ls, gs) = (_grads(m, ids, labels) for m in (fused, rounded, stock))
-    assert_rel_err(lf, lr, REL_ERR_REDUCTION_ORDER, "loss vs rounded TorchTitan")
-    assert_rel_err(lf, ls, REL_ERR_BF16, "loss vs TorchTitan fp32")
-    assert sorted(gf) == sorted(gs) and len(gf) == len(list(stock.parameters()))
-    for n in gs:
-        assert_rel_err(gf[n], gr[n], REL_ERR_REDUCTION_ORDER, f"grad {n} vs rounded TorchTitan")
-        assert_rel_err(gf[n], gs[n], REL_ERR_BF16, f"grad {n} vs TorchTitan fp32")
+    _assert_model_matches(dict(fused=fused, rounded=rounded, stock=stock), ids, labels, rope)
     unpatch_deepseek_v3(fused)
-    assert torch.equal(_grads(fused, ids, labels)[0], ls), "unpatched: TorchTitan's forward again"
+    assert torch.equal(_grads(fused, ids, labels)[0], _grads(stock, ids, labels)[0]), \
+        "unpatched: TorchTitan's forward again"
 
 
 @pytest.mark.parametrize("precision,bound", [("fp8_block", REL_ERR_FP8_BLOCK), ("mxfp8", REL_ERR_MXFP8)])
@@ -203,12 +218,6 @@ def test_patch_errors():
 
 
 # ------------------------------------------------------------------------ TP = 2 on gloo (spawned ranks)
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _capture_query(model, store: dict) -> None:
@@ -274,6 +283,18 @@ def _tp_check_attention(dims, tag: str) -> None:
     assert fused_query_layer(_attns(models["fused"])[0]) is None
 
 
+def _tp_check_model(dims, tag: str) -> None:
+    """precision="bf16" under TP = 2: the whole model's loss and every parameter's full gradient vs the stock TP
+    model (with the roundings injected, and plain fp32), as at TP = 1."""
+    from mla_qproj.torchtitan import patch_deepseek_v3
+
+    models = {name: _model("yarn", tp_dims=dims) for name in ("fused", "rounded", "stock")}
+    _inject_roundings(models["rounded"])
+    patch_deepseek_v3(models["fused"], backend="torch")
+    ids, labels = _batch()
+    _assert_model_matches(models, ids, labels, tag)
+
+
 def _tp_check_training(dims, tag: str, steps: int = 2) -> None:
     """precision="fp8_block" under TP = 2: SGD steps of the whole model track the stock TP model's loss."""
     from mla_qproj.torchtitan import patch_deepseek_v3
@@ -326,6 +347,7 @@ def _tp_worker(rank: int, world: int, port: int, errdir: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _tp_check_attention(dims, f"[tp={world} rank={rank}]")
+            _tp_check_model(dims, f"[tp={world} rank={rank}]")
             _tp_check_training(dims, f"[tp={world} rank={rank}]")
         _tp_check_fallback(dims, f"[tp={world} rank={rank}]")
         dist.barrier()
