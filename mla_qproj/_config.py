@@ -6,11 +6,10 @@ import ast
 import os
 from dataclasses import dataclass, fields, replace
 
-from ._constants import BLOCK_SHAPES, FP8_BLOCK, MX_BLOCK
+from ._constants import BLOCK_SHAPES, MX_BLOCK
 
 SCALE_MODES = ("rceil", "floor")
 ROPE_STYLES = ("deepseek", "neox", "gptj")
-PRECISIONS = ("mxfp8", "bf16", "fp8_block")
 BLOCK_SCALES = ("pow2", "fp32", "deepseek")
 OUTPUT_FORMATS = ("mxfp8", "bf16")
 BACKENDS = ("auto", "triton", "torch")
@@ -124,15 +123,16 @@ class QProjConfig:
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")
         validate_choice("rope_style", rope_style, ROPE_STYLES)
+        from .recipes import PRECISIONS, get_recipe  # the registry (it imports this module: resolved at call time)
+
         validate_choice("precision", precision, PRECISIONS)
         validate_choice("output_format", output_format, OUTPUT_FORMATS)
         validate_choice("scale_mode", scale_mode, SCALE_MODES)
         validate_choice("block_scale", block_scale, BLOCK_SCALES)
-        if precision == "fp8_block" and q_lora_rank % FP8_BLOCK:
-            raise ValueError(f"q_lora_rank must be a multiple of {FP8_BLOCK} for precision='fp8_block' (1x128 blocks "
-                             f"along K), got {q_lora_rank}")
-        if q_lora_rank % MX_BLOCK:
-            raise ValueError(f"q_lora_rank must be a multiple of {MX_BLOCK} (MXFP8 blocks along K), got {q_lora_rank}")
+        k_block = get_recipe(precision, kernels=False).k_block
+        if q_lora_rank % k_block:
+            raise ValueError(f"q_lora_rank must be a multiple of {k_block} for precision={precision!r} (the "
+                             f"operands' blocks along K), got {q_lora_rank}")
         if output_format == "mxfp8" and q_head_dim % MX_BLOCK:
             raise ValueError(
                 f"q_head_dim must be a multiple of {MX_BLOCK} for output_format='mxfp8', got {q_head_dim}"

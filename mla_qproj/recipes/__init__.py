@@ -11,10 +11,12 @@ RECIPES: dict[tuple[str, bool], Recipe] = {
     (r.name, r.kernels): r for r in (MXFP8Reference(), MXFP8Kernels(), BF16Reference(), BF16Kernels(),
                                      FP8BlockReference(), FP8BlockKernels())}
 
+PRECISIONS: tuple[str, ...] = tuple(dict.fromkeys(name for name, _ in RECIPES))
+
 
 def get_recipe(precision: str, kernels: bool = True) -> Recipe:
     """The recipe of `precision`: its kernel implementation, or (kernels=False) its PyTorch reference."""
     return RECIPES[(precision, kernels)]
 
 
-__all__ = ["Kernels", "PreparedWeight", "Recipe", "Reference", "RECIPES", "get_recipe"]
+__all__ = ["Kernels", "PreparedWeight", "Recipe", "Reference", "PRECISIONS", "RECIPES", "get_recipe"]

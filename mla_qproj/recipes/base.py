@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from .._config import QProjConfig
+from .._constants import MX_BLOCK
 from ..distributed import Gather, Parallel, gather_rows, start_gathers, wait_gathered
 
 Operands = tuple  # of tensors; the layout is the recipe's
@@ -51,13 +52,15 @@ class Recipe:
     local token count of a sequence-parallel rank must be a multiple; 1 = no token blocks). `n_align`: columns of N
     a head group of the backward must be a multiple of (the query gradient's row blocks must not straddle groups).
     `fused_operands`: the operand kind of the fused forward GEMM (`kernels.triton.qproj_gemm`: "bf16" images or
-    "fp8_block" codes), which fixes the row order of its weight."""
+    "fp8_block" codes), which fixes the row order of its weight. `k_block`: q_lora_rank must be a multiple of it (the
+    operands' blocks along K, SPEC §4 and §5; `QProjConfig.make` checks it)."""
 
     name: ClassVar[str]
     kernels: ClassVar[bool]  # True: the GPU kernels (the interpreter on the CPU); False: the PyTorch reference
     col_block: ClassVar[int] = 1
     n_align: ClassVar[int] = 1
     fused_operands: ClassVar[str] = "bf16"
+    k_block: ClassVar[int] = MX_BLOCK
 
     def options(self, cfg: QProjConfig) -> dict:
         """The config's fields that only this precision reads (shown by the module's repr)."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .._config import FP8_BLOCK, QProjConfig
+from .._config import QProjConfig
+from .._constants import FP8_BLOCK
 from ..distributed import Parallel, rows_to_cols
 from ..kernels.cute import fp8_gemm as cute_gemm
 from ..reference import fp8_block as ref8
@@ -40,6 +41,7 @@ class _FP8Block:
     col_block = FP8_BLOCK
     n_align = FP8_BLOCK
     fused_operands = "fp8_block"
+    k_block = FP8_BLOCK  # 1x128 blocks along K
 
     def options(self, cfg: QProjConfig) -> dict:
         return {"block_scale": cfg.block_scale}
