@@ -86,15 +86,15 @@ def test_rope_fp8_block(geom, style):
     dq, c, s = rope_inputs(100, H, D, R, torch.bfloat16, 7)
     block_scale = F.BLOCK_SCALES[STYLES.index(style) % 2]
     configs = {default_rope_config(nope, R, D, style, DEVICE), RopeFp8BlockConfig(32, True, 16)}
-    if fast_unit(nope, R, D, style):  # contiguous runs with 8 warps as well as the default's 4, and packed
-        configs.add(RopeFp8BlockConfig(fast_unit(nope, R, D, style), False, 8))
+    if fast_unit(nope, R, D, style):  # contiguous runs with byte stores (4 and 8 warps), and packed
+        configs.update(RopeFp8BlockConfig(fast_unit(nope, R, D, style), False, nw) for nw in (4, 8))
         configs.update(packed_configs(fast_unit(nope, R, D, style)))
     for cfg in configs:
         check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style, block_scale, cfg)
     if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style
         assert fast_unit(nope, R, D, style) == (32 if style == "neox" else 64)
         assert default_rope_config(nope, R, D, style, DEVICE) == RopeFp8BlockConfig(fast_unit(nope, R, D, style),
-                                                                                     False, 4)
+                                                                                     False, 4, packed=True)
 
 
 @settings(max_examples=examples(8), deadline=None)
