@@ -187,6 +187,10 @@ def test_rope_fp8_block_gpu_v3(style, block_scale):
     w = fast_unit(nope, R, D, style)
     for cfg in (None, RopeFp8BlockConfig(32, True, 16), RopeFp8BlockConfig(w, False, 8), *packed_configs(w)):
         check_rope(dq.cuda(), c.cuda(), s.cuda(), H, nope, R, D, style, block_scale, cfg)
+    for T in (1, 2, 17, 130):  # the transposed layout's zero padding (a word-packed form once wrote codes there)
+        dq, c, s = rope_inputs(T, H, D, R, torch.bfloat16, 13 + T)
+        for cfg in (None, *packed_configs(w)):
+            check_rope(dq.cuda(), c.cuda(), s.cuda(), H, nope, R, D, style, block_scale, cfg)
     # a partial last period (H = 127) and fp32 dq
     dq, c, s = rope_inputs(300, 127, D, R, torch.float32, 12)
     check_rope(dq.cuda(), c.cuda(), s.cuda(), 127, nope, R, D, style, block_scale)
