@@ -8,7 +8,9 @@ The oracle is Megatron's own unmodified path (`MLASelfAttention`, a tiny 2-layer
   where it enters the up projection's GEMMs): equal up to the fp32 summation order (REL_ERR_REDUCTION_ORDER;
   measured <= 3e-7: both sides round the same fp32 values, and no bf16 rounding flips at these inputs); keys and
   values bit for bit; and against the plain fp32 path within REL_ERR_BF16;
-- the 2-layer model's loss and every parameter's gradient: the same two bounds;
+- the 2-layer model's loss and every parameter's gradient: the same two bounds, except the gradients against the
+  rounded path: REL_ERR_BF16_ROUNDING (through two layers a reordered fp32 value now and then lands on the other
+  side of a bf16 rounding point, a one-ulp flip that the later layers carry: 4.6e-5 measured at TP = 2);
 - precision="fp8_block" / "mxfp8": three SGD steps track the stock model: every step's loss within
   REL_ERR_FP8_BLOCK / REL_ERR_MXFP8 of the stock model's, and both losses fall (per-parameter gradients of the whole
   model differ by 5-15 % at these sizes: the query's error moves the softmax, beyond the layer's own bound).
@@ -40,6 +42,7 @@ from test_distributed import _free_port  # noqa: E402
 from _helpers import sgd_side_by_side  # noqa: E402
 from _tolerances import (  # noqa: E402
     REL_ERR_BF16,
+    REL_ERR_BF16_ROUNDING,
     REL_ERR_FP8_BLOCK,
     REL_ERR_MXFP8,
     REL_ERR_REDUCTION_ORDER,
@@ -243,7 +246,7 @@ def _check_model(tp: int, sp: bool, rope: str, tag: str) -> None:
     assert sorted(grads["fused"]) == sorted(grads["stock"])
     for n, g in grads["fused"].items():
         assert g is not None, f"{tag} {n} has no gradient"
-        assert_rel_err(g, grads["rounded"][n], REL_ERR_REDUCTION_ORDER, f"{tag} grad {n} vs rounded Megatron")
+        assert_rel_err(g, grads["rounded"][n], REL_ERR_BF16_ROUNDING, f"{tag} grad {n} vs rounded Megatron")
         assert_rel_err(g, grads["stock"][n], REL_ERR_BF16, f"{tag} grad {n} vs Megatron fp32")
 
 

@@ -7,7 +7,9 @@ The oracle is TorchTitan's own unmodified forward on the same model (a tiny 2-la
   by hooks on its own modules (tests/_roundings.py: q_norm's output and the query rounded to bf16, the query's
   gradient rounded where it leaves the bf16 query and after the inverse RoPE): REL_ERR_REDUCTION_ORDER; against the
   plain fp32 forward: REL_ERR_BF16;
-- the model's loss and every parameter's gradient: the same two bounds;
+- the model's loss and every parameter's gradient: the same two bounds, except the gradients against the
+  rounded path: REL_ERR_BF16_ROUNDING (a reordered fp32 value can land on the other side of one of the bf16
+  rounding points, a one-ulp flip the later layers carry; tests/test_megatron.py);
 - precision="fp8_block" / "mxfp8": three SGD steps track the stock model (every step's loss within REL_ERR_FP8_BLOCK /
   REL_ERR_MXFP8; both losses fall: per-parameter gradients of the whole model differ by 5-15 % at these sizes).
 backend="torch", except one interpreter case. CPU shim (test only): SDPA as the inner attention (TorchTitan's
@@ -40,6 +42,7 @@ from _roundings import Round, RoundBoth, RoundGrad  # noqa: E402
 from _helpers import sgd_side_by_side  # noqa: E402
 from _tolerances import (  # noqa: E402
     REL_ERR_BF16,
+    REL_ERR_BF16_ROUNDING,
     REL_ERR_FP8_BLOCK,
     REL_ERR_MXFP8,
     REL_ERR_REDUCTION_ORDER,
@@ -139,7 +142,7 @@ def _assert_model_matches(models: dict, ids, labels, tag: str) -> None:
     assert_rel_err(lf, ls, REL_ERR_BF16, f"{tag} loss vs TorchTitan fp32")
     assert sorted(gf) == sorted(gs) and len(gf) == len(list(models["stock"].parameters())), tag
     for n in gs:
-        assert_rel_err(gf[n], gr[n], REL_ERR_REDUCTION_ORDER, f"{tag} grad {n} vs rounded TorchTitan")
+        assert_rel_err(gf[n], gr[n], REL_ERR_BF16_ROUNDING, f"{tag} grad {n} vs rounded TorchTitan")
         assert_rel_err(gf[n], gs[n], REL_ERR_BF16, f"{tag} grad {n} vs TorchTitan fp32")
 
 
