@@ -73,9 +73,9 @@ def check_rope(dq, cos_h, sin_h, H, nope, R, D, style, block_scale, config=None)
     return outs
 
 
-def packed_configs(w):
-    """The packed kernel's configs for run width w: the warp counts that give 4, 8 or 16 tokens per thread."""
-    return [RopeFp8BlockConfig(w, False, nw, True) for nw in (2, 4, 8) if packed_tokens(w, nw) in (4, 8, 16)]
+def contiguous_configs(w):
+    """The contiguous-run kernel's configs for run width w: the warp counts that give 4, 8 or 16 tokens per thread."""
+    return [RopeFp8BlockConfig(w, False, nw) for nw in (2, 4, 8) if packed_tokens(w, nw) in (4, 8, 16)]
 
 
 @pytest.mark.parametrize("style", STYLES)
@@ -86,22 +86,21 @@ def test_rope_fp8_block(geom, style):
     dq, c, s = rope_inputs(100, H, D, R, torch.bfloat16, 7)
     block_scale = F.BLOCK_SCALES[STYLES.index(style) % 2]
     configs = {default_rope_config(nope, R, D, style, DEVICE), RopeFp8BlockConfig(32, True, 16)}
-    if fast_unit(nope, R, D, style):  # contiguous runs with byte stores (4 and 8 warps), and packed
-        configs.update(RopeFp8BlockConfig(fast_unit(nope, R, D, style), False, nw) for nw in (4, 8))
-        configs.update(packed_configs(fast_unit(nope, R, D, style)))
+    if fast_unit(nope, R, D, style):  # contiguous runs with every warp count, as well as the default's 4
+        configs.update(contiguous_configs(fast_unit(nope, R, D, style)))
     for cfg in configs:
         check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style, block_scale, cfg)
     if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style
         assert fast_unit(nope, R, D, style) == (32 if style == "neox" else 64)
         assert default_rope_config(nope, R, D, style, DEVICE) == RopeFp8BlockConfig(fast_unit(nope, R, D, style),
-                                                                                     False, 4, packed=True)
+                                                                                     False, 4)
 
 
 @settings(max_examples=examples(8), deadline=None)
 @given(T=st.sampled_from([1, 17, 129, 200]), geom=st.sampled_from(GEOMS), style=st.sampled_from(STYLES),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), block_scale=st.sampled_from(F.BLOCK_SCALES),
        row_pad=st.sampled_from([0, 40]), tables=st.sampled_from(["fp32", "bf16", "broadcast", "wide"]),
-       kernel=st.sampled_from(["default", "bytes", "gather", "packed"]), seed=st.integers(0, 1000))
+       kernel=st.sampled_from(["default", "contiguous", "gather"]), seed=st.integers(0, 1000))
 def test_rope_fp8_block_property(T, geom, style, dtype, block_scale, row_pad, tables, kernel, seed):
     H, nope, R, D = geom
     dq, c, s = rope_inputs(T, H, D, R, dtype, seed, -100, 100)
@@ -116,8 +115,7 @@ def test_rope_fp8_block_property(T, geom, style, dtype, block_scale, row_pad, ta
     elif tables == "wide":  # the half of a full-width HF table: row stride R
         c, s = torch.cat([c, c], -1)[:, : R // 2], torch.cat([s, s], -1)[:, : R // 2]
     w = fast_unit(nope, R, D, style)
-    cfg = {"default": None, "bytes": RopeFp8BlockConfig(w, False, 8),
-           "packed": packed_configs(w)[seed % len(packed_configs(w))] if w else None}.get(kernel) if w else None
+    cfg = contiguous_configs(w)[seed % len(contiguous_configs(w))] if w and kernel == "contiguous" else None
     if kernel == "gather" or not w:
         cfg = RopeFp8BlockConfig(32, True, 16)
     check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style, block_scale, cfg)
@@ -157,12 +155,10 @@ def test_rope_fp8_block_errors():
     for bad in (RopeFp8BlockConfig(32, False), RopeFp8BlockConfig(16, True)):  # 32 does not divide 16 / 48
         with pytest.raises(ValueError, match="config"):
             rope_fp8_block_bwd(dq, c, s, config=bad, **kw)
-    with pytest.raises(ValueError, match="packed kernel needs contiguous runs"):  # gather=True, and TJ = 2
-        rope_fp8_block_bwd(dq, c, s, config=RopeFp8BlockConfig(32, True, 4, True), **kw)
     dq, c, s = rope_inputs(9, 2, 192, 64, torch.bfloat16, 1)
     with pytest.raises(ValueError, match="gives 2"):
         rope_fp8_block_bwd(dq, c, s, num_heads=2, head_dim=192, qk_head_dim=128, rope_dim=64, rope_style="neox",
-                           config=RopeFp8BlockConfig(32, False, 8, True))
+                           config=RopeFp8BlockConfig(32, False, 8))
 
 
 @pytest.mark.parametrize("style,block_scale", [("gptj", "pow2"), ("neox", "fp32")])
@@ -185,11 +181,11 @@ def test_rope_fp8_block_gpu_v3(style, block_scale):
     H, nope, R, D = 128, 128, 64, 192
     dq, c, s = rope_inputs(4096 + 5, H, D, R, torch.bfloat16, 11)
     w = fast_unit(nope, R, D, style)
-    for cfg in (None, RopeFp8BlockConfig(32, True, 16), RopeFp8BlockConfig(w, False, 8), *packed_configs(w)):
+    for cfg in (None, RopeFp8BlockConfig(32, True, 16), *contiguous_configs(w)):
         check_rope(dq.cuda(), c.cuda(), s.cuda(), H, nope, R, D, style, block_scale, cfg)
     for T in (1, 2, 17, 130):  # the transposed layout's zero padding (a word-packed form once wrote codes there)
         dq, c, s = rope_inputs(T, H, D, R, torch.bfloat16, 13 + T)
-        for cfg in (None, *packed_configs(w)):
+        for cfg in contiguous_configs(w):
             check_rope(dq.cuda(), c.cuda(), s.cuda(), H, nope, R, D, style, block_scale, cfg)
     # a partial last period (H = 127) and fp32 dq
     dq, c, s = rope_inputs(300, 127, D, R, torch.float32, 12)

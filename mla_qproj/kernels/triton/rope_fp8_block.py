@@ -10,10 +10,12 @@ NaN in the rotated gradient is made +NaN (code 0x7F; reference/fp8_block.py says
 
 Each program owns a [128 tokens, 128 columns] tile, built as 128 / W runs of W columns kept in registers:
 - contiguous runs (where `unit_fits`: W in (64, 32) divides the pass-through and rope runs of a head; DeepSeek-V3
-  qualifies in every style): a run is all pass-through or all rope, read as contiguous [128, W] / [128, W/2] tiles
-  with its pairs split / joined in registers (no gathers);
+  qualifies in every style): a run is all pass-through or all rope, read as contiguous tiles with its pairs split /
+  joined in registers, and every thread holds TJ consecutive tokens of 8 consecutive columns, so both code layouts
+  are packed into 32-bit words in registers and stored as words (`_rope_fp8_block_packed_kernel`);
 - gather runs (any geometry): every rope column loads its two sources through `rope_sources`, which never leaves
-  [qk_head_dim, qk_head_dim + R) of its own head.
+  [qk_head_dim, qk_head_dim + R) of its own head; codes stored as bytes, the 128x1 layout transposed through
+  shared memory (`_rope_fp8_block_gather_kernel`).
 Both give the same bytes.
 """
 
@@ -89,70 +91,15 @@ def _gather_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOPE: t
 
 
 @triton.jit
-def _contiguous_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
-                    N: tl.constexpr, STYLE: tl.constexpr, W: tl.constexpr, EMULATED: tl.constexpr):
-    """g [128, W] fp32 of output columns [n0, n0 + W) where W divides the head's pass-through and rope runs
-    (`unit_fits`): the run is all pass-through or all rope (a runtime branch on n0), read as contiguous tiles.
-    Inverse RoPE of pairs (x1, x2): (x1 c + x2 s, x2 c - x1 s); deepseek reads halves and writes pairs interleaved,
-    neox is halves both ways, gptj interleaved both ways."""
-    HALF: tl.constexpr = R // 2
-    h = n0 // D
-    p0 = n0 - h * D - NOPE
-    m = tl.where(n0 < N, m_t, False)[:, None]  # a scalar & a tensor mask is not a bool mask in Triton 3.9's interpreter
-    p_head = p_row + h * D + NOPE  # [128, 1]: this head's rope columns
-    if (p0 >= 0) & (p0 < R):
-        if STYLE == "neox":  # W | R/2: the run lies in one half; its partners are the other half's same run
-            o_w = tl.arange(0, W)
-            hi = p0 >= HALF
-            pair0 = tl.where(hi, p0 - HALF, p0)
-            b_x1 = widen(tl.load(p_head + p0 + o_w[None, :], mask=m, other=0.0), EMULATED)  # [128, W]
-            b_x2 = widen(tl.load(p_head + tl.where(hi, p0 - HALF, p0 + HALF) + o_w[None, :], mask=m,
-                                         other=0.0), EMULATED)  # [128, W]
-            b_c = widen(tl.load(cos_ptr + o_cs + pair0 + o_w[None, :], mask=m_t[:, None], other=1.0),
-                                EMULATED)
-            b_s = widen(tl.load(sin_ptr + o_cs + pair0 + o_w[None, :], mask=m_t[:, None], other=0.0),
-                                EMULATED)
-            b_g = b_x1 * b_c + (tl.where(hi, -1.0, 1.0) * b_x2) * b_s  # lo: a c + b s; hi: b c - a s
-        else:
-            o_h = tl.arange(0, W // 2)
-            i0 = p0 // 2  # the run's first pair
-            if STYLE == "deepseek":
-                b_x1 = widen(tl.load(p_head + i0 + o_h[None, :], mask=m, other=0.0), EMULATED)
-                b_x2 = widen(tl.load(p_head + HALF + i0 + o_h[None, :], mask=m, other=0.0),
-                                     EMULATED)  # [128, W/2]
-            else:
-                tl.static_assert(STYLE == "gptj")
-                b_x = widen(tl.load(p_head + p0 + tl.arange(0, W)[None, :], mask=m, other=0.0),
-                                    EMULATED)  # [128, W]
-                b_x1, b_x2 = tl.split(tl.reshape(b_x, [128, W // 2, 2]))
-            b_c = widen(tl.load(cos_ptr + o_cs + i0 + o_h[None, :], mask=m_t[:, None], other=1.0), EMULATED)
-            b_s = widen(tl.load(sin_ptr + o_cs + i0 + o_h[None, :], mask=m_t[:, None], other=0.0), EMULATED)
-            b_g = tl.reshape(tl.join(b_x1 * b_c + b_x2 * b_s, b_x2 * b_c - b_x1 * b_s), [128, W])
-    else:
-        b_g = widen(tl.load(p_row + n0 + tl.arange(0, W)[None, :], mask=m, other=0.0), EMULATED)
-    return b_g
-
-
-@triton.jit
-def _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
-         N: tl.constexpr, STYLE: tl.constexpr, W: tl.constexpr, GATHER: tl.constexpr, EMULATED: tl.constexpr):
-    if GATHER:
-        b_g = _gather_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D, NOPE, R, N, STYLE, W, EMULATED)
-    else:
-        b_g = _contiguous_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D, NOPE, R, N, STYLE, W, EMULATED)
-    return b_g
-
-
-@triton.jit
-def _rope_fp8_block_kernel(
+def _rope_fp8_block_gather_kernel(
     dq_ptr, stride_dq, cos_ptr, sin_ptr, stride_cs,
     row_data_ptr, row_sinv_ptr, col_data_ptr, col_sinv_ptr,
     T, T_pad,
     H: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr, STYLE: tl.constexpr,
-    W: tl.constexpr, GATHER: tl.constexpr, BLOCK_SCALE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr,
+    W: tl.constexpr, BLOCK_SCALE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr,
     EMULATED: tl.constexpr,
 ):
-    """Program (128 tokens, 128 columns) as 128 / W runs of W columns (2 or 4, kept in registers): the 1x128 amax
+    """Program (128 tokens, 128 columns) as 128 / W gather runs of W columns (2 or 4, kept in registers): the 1x128 amax
     is the max over the runs' row amaxes, then each run's row codes and 128x1 blocks are stored.
     Rows / columns outside the tensor load as 0: a block's amax and scale stay those of the elements that exist
     (0 and an all-NaN amax both give scale 1), and the padding rows encode as the zero codes the transposed layout
@@ -166,12 +113,12 @@ def _rope_fp8_block_kernel(
     p_row = dq_ptr + o_t[:, None] * stride_dq  # [128, 1]
     o_cs = o_t[:, None] * stride_cs  # [128, 1]
     n0 = i_n * 128
-    b_0 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
-    b_1 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + W, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
+    b_0 = _gather_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D, NOPE, R, N, STYLE, W, EMULATED)
+    b_1 = _gather_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + W, D, NOPE, R, N, STYLE, W, EMULATED)
     b_amax = nan_max(amax(b_0, 1, EMULATED), amax(b_1, 1, EMULATED), EMULATED)
     if W == 32:
-        b_2 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 2 * W, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
-        b_3 = _run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 3 * W, D, NOPE, R, N, STYLE, W, GATHER, EMULATED)
+        b_2 = _gather_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 2 * W, D, NOPE, R, N, STYLE, W, EMULATED)
+        b_3 = _gather_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0 + 3 * W, D, NOPE, R, N, STYLE, W, EMULATED)
         b_amax = nan_max(b_amax, nan_max(amax(b_2, 1, EMULATED), amax(b_3, 1, EMULATED),
                                          EMULATED), EMULATED)
     b_scale, b_sinv = fp8_block_scale(b_amax, BLOCK_SCALE)  # [128]: one 1x128 block per row
@@ -190,9 +137,12 @@ def _rope_fp8_block_kernel(
 @triton.jit
 def _packed_run(p_row, m_t, cos_ptr, sin_ptr, o_cs, n0, D: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
                 N: tl.constexpr, STYLE: tl.constexpr, W: tl.constexpr, EMULATED: tl.constexpr):
-    """`_contiguous_run`'s g as [TR, TJ, W] (token = TR-index * TJ + TJ-index; p_row, o_cs [TR, TJ, 1], m_t
-    [TR, TJ]): offsets contiguous in runs of 8 output columns (4 pairs), so that every thread holds TJ consecutive
-    tokens of 8 consecutive columns, the layout of the word-packed stores."""
+    """g [TR, TJ, W] fp32 of output columns [n0, n0 + W) (token = TR-index * TJ + TJ-index; p_row, o_cs
+    [TR, TJ, 1], m_t [TR, TJ]) where W divides the head's pass-through and rope runs (`unit_fits`): the run is all
+    pass-through or all rope (a runtime branch on n0), read as contiguous tiles. Inverse RoPE of pairs (x1, x2):
+    (x1 c + x2 s, x2 c - x1 s); deepseek reads halves and writes pairs interleaved, neox is halves both ways, gptj
+    interleaved both ways. Offsets are contiguous in runs of 8 output columns (4 pairs), so that every thread holds
+    TJ consecutive tokens of 8 consecutive columns, the layout of the word-packed stores."""
     HALF: tl.constexpr = R // 2
     h = n0 // D
     p0 = n0 - h * D - NOPE
@@ -261,7 +211,7 @@ def _rope_fp8_block_packed_kernel(
     W: tl.constexpr, TJ: tl.constexpr, BLOCK_SCALE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr,
     EMULATED: tl.constexpr,
 ):
-    """`_rope_fp8_block_kernel`'s bytes (contiguous runs only) from [TR, TJ, W] runs: every thread holds TJ
+    """`_rope_fp8_block_gather_kernel`'s bytes from contiguous [TR, TJ, W] runs: every thread holds TJ
     consecutive tokens of 8 consecutive columns, so both code layouts are stored as 32-bit words packed in
     registers (4 columns of a row; 4 tokens of a column of the transposed layout), with no byte transposition."""
     tl.static_assert((W == 64) | (W == 32))
@@ -311,14 +261,12 @@ def fast_unit(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -
 @dataclass(frozen=True)
 class RopeFp8BlockConfig:
     """Launch parameters: unit = the run width W (64 or 32); gather = runs gather their sources per column (any
-    geometry) instead of reading contiguous runs (needs `unit_fits`); num_warps; packed = contiguous runs as
-    [TR, TJ, W] tiles stored as 32-bit words (`_rope_fp8_block_packed_kernel`; needs gather=False and
-    `packed_tokens` in (4, 8, 16))."""
+    geometry; `_rope_fp8_block_gather_kernel`) instead of reading contiguous runs (`_rope_fp8_block_packed_kernel`:
+    needs `unit_fits` and `packed_tokens` in (4, 8, 16)); num_warps."""
 
     unit: int = 32
     gather: bool = True
     num_warps: int = 8
-    packed: bool = False
 
 
 def packed_tokens(unit: int, num_warps: int) -> int:
@@ -329,14 +277,13 @@ def packed_tokens(unit: int, num_warps: int) -> int:
 
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
                    device: torch.device) -> RopeFp8BlockConfig:
-    """Contiguous runs (the widest that fits), packed, with 4 warps; else 32-column gather runs with 16 warps
-    (sm_90, offline: 8 warps spill there, 16 do not). On an H200 (DeepSeek-V3, T = 16384) the packed kernel reaches
-    0.70 / 0.71 / 0.53 of a device copy (deepseek / gptj / neox) against 0.63 / 0.55 / 0.41 with byte stores; 2 and 8
-    warps are slower (BENCHMARKS.md)."""
+    """Contiguous runs (the widest that fits) with 4 warps; else 32-column gather runs with 16 warps (sm_90,
+    offline: 8 warps spill there, 16 do not). On an H200 (DeepSeek-V3, T = 16384) the contiguous kernel reaches
+    0.70 / 0.71 / 0.53 of a device copy (deepseek / gptj / neox); 2 and 8 warps are slower (BENCHMARKS.md)."""
     w = fast_unit(qk_head_dim, rope_dim, head_dim, rope_style)
     if not w:
         return RopeFp8BlockConfig(unit=32, gather=True, num_warps=16)
-    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4, packed=True)
+    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4)
 
 
 def rope_fp8_block_outputs(dq2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -392,14 +339,14 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
                          f"head_dim {head_dim}, {rope_style}): unit must be 64 or 32, and contiguous runs "
                          f"(gather=False) need `unit_fits`")
     tj = packed_tokens(cfg.unit, cfg.num_warps)
-    if cfg.packed and (cfg.gather or tj not in (4, 8, 16)):
-        raise ValueError(f"config {cfg}: the packed kernel needs contiguous runs (gather=False) and 4, 8 or 16 "
-                         f"tokens per thread; unit {cfg.unit} with {cfg.num_warps} warps gives {tj}")
+    if not cfg.gather and tj not in (4, 8, 16):
+        raise ValueError(f"config {cfg}: contiguous runs (gather=False) need 4, 8 or 16 tokens per thread; unit "
+                         f"{cfg.unit} with {cfg.num_warps} warps gives {tj}")
     n_t, n_n = cdiv(T, FP8_BLOCK), cdiv(N, FP8_BLOCK)
     tokens_on_axis0 = n_t > 65535  # a CUDA grid's y extent
     emulated = _op.emulated(dq2d.device)
     grid = (n_t, n_n) if tokens_on_axis0 else (n_n, n_t)
-    if cfg.packed:
+    if not cfg.gather:
         # codes as int32 words: N % 4 == 0 (W | head_dim) and T_pad % 16 == 0
         _rope_fp8_block_packed_kernel[grid](
             dq_ptr=dq2d, stride_dq=dq2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
@@ -409,11 +356,11 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
             TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False,
         )
         return outs
-    _rope_fp8_block_kernel[grid](
+    _rope_fp8_block_gather_kernel[grid](
         dq_ptr=dq2d, stride_dq=dq2d.stride(0), cos_ptr=cos_h, sin_ptr=sin_h, stride_cs=cos_h.stride(0),
         row_data_ptr=rd.view(torch.uint8), row_sinv_ptr=rs, col_data_ptr=cd.view(torch.uint8), col_sinv_ptr=cs,
         T=T, T_pad=cd.shape[1], H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style,
-        W=cfg.unit, GATHER=cfg.gather, BLOCK_SCALE=_fp8_block.block_scale_code(block_scale),
+        W=cfg.unit, BLOCK_SCALE=_fp8_block.block_scale_code(block_scale),
         TOKENS_ON_AXIS0=tokens_on_axis0,
         EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
