@@ -150,6 +150,9 @@ def test_rmsnorm_fp8_block_errors():
         with pytest.raises(ValueError, match="tokens per thread"):
             rmsnorm_fp8_block_fwd(x, w, 1e-6, False, config=RMSNormFp8BlockConfig(block_k=bk, num_warps=nw,
                                                                                      packed=True))
+    for bad in (100, 250, False, "168"):  # a register cap is a multiple of 8 in [24, 248]
+        with pytest.raises(ValueError, match="maxnreg"):
+            rmsnorm_fp8_block_fwd(x, w, 1e-6, False, config=RMSNormFp8BlockConfig(maxnreg=bad))
 
 
 @pytest.mark.parametrize("zc,block_scale", [(False, "pow2"), (True, "fp32")])
@@ -178,7 +181,8 @@ def test_rmsnorm_fp8_block_gpu(T, block_scale):
     # compiled: the packed kernel's E4M3 conversion is inline PTX (not run by the interpreter lane); the
     # byte-transposing kernel as well
     for cfg in (RMSNormFp8BlockConfig(num_warps=8, packed=True), RMSNormFp8BlockConfig(block_k=256, packed=True),
-                RMSNormFp8BlockConfig(num_warps=4), RMSNormFp8BlockConfig()):
+                RMSNormFp8BlockConfig(num_warps=4), RMSNormFp8BlockConfig(),
+                RMSNormFp8BlockConfig(num_warps=4, packed=True, maxnreg=128)):  # a cap that trades registers away
         check_rmsnorm(x, w, True, block_scale, config=cfg)
     # T >= 2048: the MXFP8 path's RMSNorm runs the same rsigma kernel with the same launch
     assert_bytes_equal(rsigma, rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil")[0], "rsigma vs mxfp8 path")

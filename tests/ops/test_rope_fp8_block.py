@@ -74,7 +74,8 @@ def check_rope(dq, cos_h, sin_h, H, nope, R, D, style, block_scale, config=None)
 
 
 def contiguous_configs(w):
-    """The contiguous-run kernel's configs for run width w: the warp counts that give 4, 8 or 16 tokens per thread."""
+    """The contiguous-run kernel's configs for run width w: the warp counts that give 4, 8 or 16 tokens per thread,
+    uncapped (the default caps 4 warps at 168 registers, so the two forms are compared wherever the default is)."""
     return [RopeFp8BlockConfig(w, False, nw) for nw in (2, 4, 8) if packed_tokens(w, nw) in (4, 8, 16)]
 
 
@@ -93,7 +94,7 @@ def test_rope_fp8_block(geom, style):
     if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style
         assert fast_unit(nope, R, D, style) == (32 if style == "neox" else 64)
         assert default_rope_config(nope, R, D, style, DEVICE) == RopeFp8BlockConfig(fast_unit(nope, R, D, style),
-                                                                                     False, 4)
+                                                                                     False, 4, maxnreg=168)
 
 
 @settings(max_examples=examples(8), deadline=None)
@@ -155,6 +156,9 @@ def test_rope_fp8_block_errors():
     for bad in (RopeFp8BlockConfig(32, False), RopeFp8BlockConfig(16, True)):  # 32 does not divide 16 / 48
         with pytest.raises(ValueError, match="config"):
             rope_fp8_block_bwd(dq, c, s, config=bad, **kw)
+    for bad in (100, 250, 16, True, 168.0):  # a register cap is a multiple of 8 in [24, 248]
+        with pytest.raises(ValueError, match="maxnreg"):
+            rope_fp8_block_bwd(dq, c, s, config=RopeFp8BlockConfig(16, True, 4, maxnreg=bad), **kw)
     dq, c, s = rope_inputs(9, 2, 192, 64, torch.bfloat16, 1)
     with pytest.raises(ValueError, match="gives 2"):
         rope_fp8_block_bwd(dq, c, s, num_heads=2, head_dim=192, qk_head_dim=128, rope_dim=64, rope_style="neox",

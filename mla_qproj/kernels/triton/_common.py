@@ -289,3 +289,13 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def register_cap(maxnreg: int | None) -> dict:
+    """Launch options for a cap on a kernel's registers a thread (Triton's `maxnreg`; none when None). The cap is
+    what lets an SM hold one more program of a register-heavy kernel: 65536 registers, allocated 8 a thread."""
+    if maxnreg is None:
+        return {}
+    if isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 24 <= maxnreg <= 248 or maxnreg % 8:
+        raise ValueError(f"maxnreg must be None or a multiple of 8 in [24, 248], got {maxnreg!r}")
+    return {"maxnreg": maxnreg}

@@ -24,7 +24,7 @@ from ..._config import QProjConfig, interpreter_enabled
 from ..._constants import FP8_BLOCK
 from .. import _op
 from . import _fp8_block
-from ._common import amax, cdiv
+from ._common import amax, cdiv, register_cap
 from ._fp8_block import (
     encode_operand,
     fp8_block_scale,
@@ -138,7 +138,8 @@ def _rmsnorm_fp8_block_packed_kernel(
 class RMSNormFp8BlockConfig:
     """Launch parameters of the quantize kernel (block_k columns per program, num_warps, packed: the word-packed
     kernel, which needs `packed_tokens` in (4, 8, 16)) and of the rsigma kernel (rs_rows tokens per program,
-    rs_block_k, rs_warps: rmsnorm_quant's split-form values, which fix rsigma's bits)."""
+    rs_block_k, rs_warps: rmsnorm_quant's split-form values, which fix rsigma's bits); maxnreg: a cap on the quantize
+    kernel's registers a thread (None: ptxas's choice), which sets how many programs an SM holds."""
 
     block_k: int = 128
     num_warps: int = 8
@@ -146,6 +147,7 @@ class RMSNormFp8BlockConfig:
     rs_block_k: int = 512
     rs_warps: int = 4
     packed: bool = False
+    maxnreg: int | None = None
 
 
 def packed_tokens(block_k: int, num_warps: int) -> int:
@@ -244,7 +246,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
             T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, TJ=tj, ZERO_CENTERED=bool(zero_centered_gamma),
             BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
             TOKENS_ON_AXIS0=tokens_on_axis0,
-            EMULATED=emulated, num_warps=cfg.num_warps,
+            EMULATED=emulated, num_warps=cfg.num_warps, **register_cap(cfg.maxnreg),
         )
         return outs
     _rmsnorm_fp8_block_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
@@ -255,6 +257,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
         T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, ZERO_CENTERED=bool(zero_centered_gamma),
         BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
         TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=_op.emulated(x2d.device), num_warps=cfg.num_warps,
+        **register_cap(cfg.maxnreg),
     )
     return outs
 

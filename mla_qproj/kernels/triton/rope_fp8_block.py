@@ -31,7 +31,7 @@ from ..._config import ROPE_STYLES, QProjConfig, validate_choice
 from ..._constants import FP8_BLOCK
 from .. import _op
 from . import _fp8_block
-from ._common import amax, cdiv, check_pair_tables, rope_sources
+from ._common import amax, cdiv, check_pair_tables, register_cap, rope_sources
 from ._fp8_block import (
     encode_operand,
     fp8_block_scale,
@@ -262,11 +262,13 @@ def fast_unit(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str) -
 class RopeFp8BlockConfig:
     """Launch parameters: unit = the run width W (64 or 32); gather = runs gather their sources per column (any
     geometry; `_rope_fp8_block_gather_kernel`) instead of reading contiguous runs (`_rope_fp8_block_packed_kernel`:
-    needs `unit_fits` and `packed_tokens` in (4, 8, 16)); num_warps."""
+    needs `unit_fits` and `packed_tokens` in (4, 8, 16)); num_warps; maxnreg: a cap on the registers a thread (None:
+    ptxas's choice), which sets how many programs an SM holds (65536 registers over 32 * num_warps threads)."""
 
     unit: int = 32
     gather: bool = True
     num_warps: int = 8
+    maxnreg: int | None = None
 
 
 def packed_tokens(unit: int, num_warps: int) -> int:
@@ -277,13 +279,15 @@ def packed_tokens(unit: int, num_warps: int) -> int:
 
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
                    device: torch.device) -> RopeFp8BlockConfig:
-    """Contiguous runs (the widest that fits) with 4 warps; else 32-column gather runs with 16 warps (sm_90,
-    offline: 8 warps spill there, 16 do not). On an H200 (DeepSeek-V3, T = 16384) the contiguous kernel reaches
-    0.70 / 0.71 / 0.53 of a device copy (deepseek / gptj / neox); 2 and 8 warps are slower (BENCHMARKS.md)."""
+    """Contiguous runs (the widest that fits) with 4 warps and at most 168 registers a thread; else 32-column gather
+    runs with 16 warps (sm_90, offline: 8 warps spill there, 16 do not). ptxas gives the contiguous kernel 198
+    registers, so an SM holds 2 of its 128-thread programs; 168 fits 3 (65536 / (128 * 168)) with no spill. On an
+    H200 (DeepSeek-V3, T = 16384) the cap takes it from 0.70 / 0.71 / 0.53 of a device copy to 0.82 / 0.77 / 0.57
+    (deepseek / gptj / neox); 160 and 128 are slower, as are 2 and 8 warps (BENCHMARKS.md)."""
     w = fast_unit(qk_head_dim, rope_dim, head_dim, rope_style)
     if not w:
         return RopeFp8BlockConfig(unit=32, gather=True, num_warps=16)
-    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4)
+    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4, maxnreg=168)
 
 
 def rope_fp8_block_outputs(dq2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -354,6 +358,7 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
             T=T, T_pad=cd.shape[1], H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style,
             W=cfg.unit, TJ=tj, BLOCK_SCALE=_fp8_block.block_scale_code(block_scale),
             TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False,
+            **register_cap(cfg.maxnreg),
         )
         return outs
     _rope_fp8_block_gather_kernel[grid](
@@ -362,7 +367,7 @@ def rope_fp8_block_bwd(dq2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Ten
         T=T, T_pad=cd.shape[1], H=num_heads, D=head_dim, NOPE=qk_head_dim, R=rope_dim, STYLE=rope_style,
         W=cfg.unit, BLOCK_SCALE=_fp8_block.block_scale_code(block_scale),
         TOKENS_ON_AXIS0=tokens_on_axis0,
-        EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False,
+        EMULATED=emulated, num_warps=cfg.num_warps, enable_fp_fusion=False, **register_cap(cfg.maxnreg),
     )
     return outs
 
