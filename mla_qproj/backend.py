@@ -34,30 +34,10 @@ def select(cfg: QProjConfig, backend: str, device: torch.device) -> Recipe:
     return get_recipe(cfg.precision, resolve_backend(backend, device))
 
 
-def fused_row_source(cfg: QProjConfig) -> torch.Tensor | None:
-    """The fused forward GEMM's row order of W for this geometry and precision (CPU int64), or None when the fused
-    kernel does not cover it (then the forward is a plain GEMM followed by the RoPE + output kernel)."""
-    from .kernels.triton import qproj_gemm
-
-    if not qproj_gemm.fused_gemm_supported(cfg):
-        return None
-    return qproj_gemm.fused_row_source(cfg, get_recipe(cfg.precision).fused_operands)
-
-
-def fused_on(device: torch.device) -> bool:
-    """The fused kernel is built for sm_90 and newer (TMA descriptors, wgmma-sized tiles); the interpreter runs it
-    on the CPU. Older GPUs take the general path."""
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, recipe: Recipe, key: tuple,
-                   src: torch.Tensor | None) -> PreparedWeight:
-    """What the GEMMs read of W (the module caches it per weight version); src: `fused_row_source(cfg)`."""
-    device = (weight[0] if isinstance(weight, tuple) else weight).device  # (codes, scale_inv): pre-quantized
-    fused = src if (recipe.kernels and src is not None and fused_on(device)) else None
-    if fused is not None and fused.device != device:
-        fused = fused.to(device)
-    return recipe.prepare_weight(weight, cfg, key, fused)
+def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, recipe: Recipe, key: tuple) -> PreparedWeight:
+    """What the GEMMs read of W (the module caches it per weight version); weight may be a pre-quantized
+    (codes, scale_inv) pair."""
+    return recipe.prepare_weight(weight, cfg, key)
 
 
 def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, recipe: Recipe,

@@ -126,8 +126,6 @@ def _synced_layer(attn: nn.Module) -> FusedMLAQUpProjection:
         layer.norm_weight = attn.q_a_layernorm.weight
     if layer.inv_freq.device != layer.weight.device:
         layer.inv_freq = layer.inv_freq.to(layer.weight.device)
-        if layer._fused_src is not None:
-            layer._fused_src = layer._fused_src.to(layer.weight.device)
     return layer
 
 

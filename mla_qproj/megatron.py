@@ -144,8 +144,6 @@ class FusedMLASelfAttention(MLASelfAttention):
             layer.weight = linear.weight
         if layer.norm_weight is not None and layer.norm_weight is not self.q_layernorm.weight:
             layer.norm_weight = self.q_layernorm.weight
-        if layer._fused_src is not None and layer._fused_src.device != layer.weight.device:
-            layer._fused_src = layer._fused_src.to(layer.weight.device)
         return layer
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,

@@ -159,9 +159,6 @@ class FusedMLAQUpProjection(nn.Module):
             self.register_parameter("norm_weight", None)
         else:
             self.norm_weight = nn.Parameter(torch.empty(q_lora_rank, **factory_kwargs))
-        # the fused forward GEMM's row order of W (fixed by the geometry; None when the general path runs)
-        src = _backend.fused_row_source(self.cfg)
-        self.register_buffer("_fused_src", None if src is None else src.to(device), persistent=False)
         self._wcache: _backend.PreparedWeight | None = None
         self._weight_epoch = 0
         _LIVE_LAYERS.add(self)
@@ -253,8 +250,6 @@ class FusedMLAQUpProjection(nn.Module):
         if nw is not None:
             layer.norm_weight = nw
         layer.inv_freq = rope_inv_freq(layer.cfg.rope_dim, layer.rope_theta, layer.rope_scaling)[0].to(lw.device)
-        if layer._fused_src is not None:
-            layer._fused_src = _backend.fused_row_source(layer.cfg).to(lw.device)
         return layer
 
     def extra_repr(self) -> str:
@@ -293,14 +288,14 @@ class FusedMLAQUpProjection(nn.Module):
         if torch.compiler.is_compiling():
             # under torch.compile the weight's quantization is part of the graph, every call: a Python-side
             # cache would be baked into the graph (stale after an update) or break it
-            return _backend.prepare_weight(w, self.cfg, recipe, (), self._fused_src)
+            return _backend.prepare_weight(w, self.cfg, recipe, ())
         # _version moves with in-place torch ops; _weight_epoch with torch.optim steps (fused ones included);
         # the storage pointer with re-assignment of .data or a new Parameter
         wt = self.weight
         key = (wt._version, self._weight_epoch, wt.data_ptr(), wt.dtype, wt.device, tuple(wt.shape), recipe.kernels,
                None if si is None else (si._version, si.data_ptr()))
         if self._wcache is None or self._wcache.key != key:
-            self._wcache = _backend.prepare_weight(w, self.cfg, recipe, key, self._fused_src)
+            self._wcache = _backend.prepare_weight(w, self.cfg, recipe, key)
         return self._wcache
 
     def _pair_tables(self, x: torch.Tensor, lead: torch.Size, cos, sin,

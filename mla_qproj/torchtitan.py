@@ -188,8 +188,6 @@ def _synced(attn: nn.Module) -> FusedMLAQUpProjection | None:
             layer.weight = w
         if layer.norm_weight is not nw:
             layer.norm_weight = nw
-    if layer._fused_src is not None and layer._fused_src.device != layer.weight.device:
-        layer._fused_src = layer._fused_src.to(layer.weight.device)
     return layer
 
 

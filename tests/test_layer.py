@@ -534,3 +534,28 @@ def test_activation_checkpointing_gives_identical_gradients(precision, output_fo
     assert torch.equal(q.detach(), qd), "checkpointed forward"
     for k in GRADS:
         assert torch.equal(g[k], g_plain[k]), f"{k} under activation checkpointing"
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "bf16", "fp8_block"])
+def test_module_holds_parameters_and_a_weight_cache_only(precision):
+    """The module sees its parameters, the RoPE frequencies and a prepared-weight cache, nothing of a kernel's
+    layout: the fused GEMM's row order belongs to the kernel recipe, computed once per config and device (a second
+    layer of the same config gets the same tensor); the state dict holds the parameters only."""
+    from mla_qproj.kernels.triton import qproj_gemm
+    from mla_qproj.recipes import get_recipe
+
+    layers = [make_layer(128, 2, 64, 64, precision=precision, backend="triton") for _ in range(2)]
+    x = torch.randn(5, 128, device=DEV)
+    cos, sin = hf_tables(torch.arange(5, device=DEV), 64)
+    for layer in layers:
+        assert [n for n, _ in layer.named_buffers()] == ["inv_freq"]
+        assert sorted(layer.state_dict()) == ["norm_weight", "weight"]
+        layer(x, cos, sin)
+    kernels = get_recipe(precision, True)
+    a, b = (kernels.fused_rows(layer.cfg, x.device) for layer in layers)
+    assert a is b and a.device == x.device
+    assert torch.equal(a.cpu(), qproj_gemm.fused_row_source(layers[0].cfg, kernels.fused_operands))
+    from mla_qproj.kernels.cute import fp8_gemm as cute_gemm
+
+    cute = precision == "fp8_block" and cute_gemm.serves(layers[0].cfg, x.device)  # the CuTe engine: W as it is
+    assert all((layer._wcache.get("fused") is not None) != cute for layer in layers)

@@ -71,9 +71,8 @@ class Recipe:
         """(dx in x's dtype, dnorm_weight in the parameter's dtype) from dxn fp32 [T, K] (precision-independent)."""
         raise NotImplementedError
 
-    def prepare_weight(self, w: torch.Tensor, cfg: QProjConfig, key: tuple,
-                       src: torch.Tensor | None) -> PreparedWeight:
-        """src: the fused GEMM's row order (`kernels.triton.qproj_gemm.fused_row_source`) when it runs, else None."""
+    def prepare_weight(self, w: torch.Tensor, cfg: QProjConfig, key: tuple) -> PreparedWeight:
+        """What the GEMMs read of W (or of a pre-quantized (codes, scale_inv) pair), tagged with the cache key."""
         raise NotImplementedError
 
     def norm_quant(self, x2d: torch.Tensor, norm_weight: torch.Tensor, cfg: QProjConfig,
@@ -168,6 +167,17 @@ class Kernels(Recipe):
     writes through the Triton fused GEMM (`kernels.triton.qproj_gemm`, W in its row order under pw["fused"])."""
 
     kernels = True
+
+    def fused_rows(self, cfg: QProjConfig, device: torch.device) -> torch.Tensor | None:
+        """The Triton fused GEMM's row order of W on `device` (kept per config and device), or None when that
+        kernel does not cover the geometry or does not run on the device (then the forward is a plain GEMM
+        followed by the RoPE + output kernel)."""
+        from ..kernels._op import encoded
+        from ..kernels.triton import qproj_gemm
+
+        if not (qproj_gemm.fused_gemm_supported(cfg) and qproj_gemm.fused_runs_on(device)):
+            return None
+        return qproj_gemm.fused_rows(encoded(cfg), self.fused_operands, device)
 
     def fused_launch(self, a: Operands, pw: PreparedWeight, cos_h: torch.Tensor, sin_h: torch.Tensor,
                      cfg: QProjConfig, out: tuple, config) -> None:

@@ -56,7 +56,7 @@ class FP8BlockReference(_FP8Block, Reference):
     """Operands token-major: GEMM input (codes [T, K], scale_inv [T, K/128]); saved xn (codes [T, K], scale_inv
     [T/128, K]); the query gradient's (codes [T, n], scale_inv [T, n/128]) and (codes [T, n], scale_inv [T/128, n])."""
 
-    def prepare_weight(self, w, cfg, key, src):
+    def prepare_weight(self, w, cfg, key):
         if isinstance(w, tuple):  # pre-quantized
             wq, ws = self._prequantized(w)
         else:
@@ -93,8 +93,7 @@ class FP8BlockKernels(_FP8Block, Kernels):
     (codes transposed [K, T_pad], scale_inv [T/128, K]); the query gradient's (codes [T, n], scale_inv M-major
     [n/128, T]) and (codes transposed [n, T_pad], scale_inv [T/128, n]). Padding codes are zero."""
 
-    def prepare_weight(self, w, cfg, key, src):
-        """src: the Triton fused GEMM's row order, or None (then the fused kernel does not run)."""
+    def prepare_weight(self, w, cfg, key):
         if isinstance(w, tuple):  # pre-quantized
             wq, ws = self._prequantized(w)
         else:
@@ -103,7 +102,8 @@ class FP8BlockKernels(_FP8Block, Kernels):
             # [N, K] codes, [N/128, K/128] scale_inv
             wq, ws = fp8_block_quantize_op(w.detach(), FP8_BLOCK, FP8_BLOCK, cfg.block_scale)
         tensors = {"wq": wq, "ws": ws}
-        if src is not None and not cute_gemm.serves(cfg, wq.device):  # the Triton GEMM's row order, per-row scale
+        src = None if cute_gemm.serves(cfg, wq.device) else self.fused_rows(cfg, wq.device)
+        if src is not None:  # the Triton GEMM's row order, per-row scale
             from ..kernels.triton.qproj_gemm import prepare_fused_weight_fp8
 
             tensors["fused"], tensors["fused_sinv"] = prepare_fused_weight_fp8(wq, ws, cfg, src)

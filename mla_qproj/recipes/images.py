@@ -63,7 +63,7 @@ class _Images:
 class ImageReference(_Images, Reference):
     """The shared reference part of "mxfp8" and "bf16": fp32 GEMMs of the images."""
 
-    def prepare_weight(self, w, cfg, key, src):
+    def prepare_weight(self, w, cfg, key):
         fwd, bwd = self._images(w.detach(), cfg)
         return PreparedWeight(key, {"fwd": fwd, "bwd": bwd})
 
@@ -81,9 +81,10 @@ class ImageReference(_Images, Reference):
 class ImageKernels(_Images, Kernels):
     """The shared kernel part of "mxfp8" and "bf16": bf16-image GEMMs (fused forward on sm_90, cuBLAS elsewhere)."""
 
-    def prepare_weight(self, w, cfg, key, src):
+    def prepare_weight(self, w, cfg, key):
         fwd, bwd = self._images(w.detach(), cfg)
         tensors = {"bwd": bwd}
+        src = self.fused_rows(cfg, fwd.device)
         if src is not None:  # the fused GEMM's row order (an exact permutation, zero rows as padding)
             tensors["fused"] = torch.cat([fwd, fwd.new_zeros(1, fwd.shape[1])])[src]
         else:

@@ -68,8 +68,8 @@ HALF_WIDTHS = (64, 128)  # half widths the kernel is built for (the [BLOCK_M, 2Â
 OPERANDS = ("bf16", "fp8_block")
 
 __all__ = ["GemmConfig", "default_config", "fused_gemm_supported", "fused_half_width", "fused_layout",
-           "fused_row_source", "prepare_fused_weight", "prepare_fused_weight_fp8", "qproj_gemm_fp8_fwd_op",
-           "qproj_gemm_fwd", "qproj_gemm_fwd_op", "qproj_gemm_outputs", "tma_store_supported"]
+           "fused_row_source", "fused_rows", "fused_runs_on", "prepare_fused_weight", "prepare_fused_weight_fp8",
+           "qproj_gemm_fp8_fwd_op", "qproj_gemm_fwd", "qproj_gemm_fwd_op", "qproj_gemm_outputs", "tma_store_supported"]
 
 
 # ----------------------------------------------------------------------------------------------- layout
@@ -189,6 +189,27 @@ def fused_row_source(cfg: QProjConfig, operands: str = "bf16", hb: int | None = 
         return src
     q = hb // 2  # [tiles, half, quarter, q] -> [tiles, quarter, half, q]
     return src.reshape(-1, 2, 2, q).transpose(1, 2).reshape(-1)
+
+
+_ROWS: dict[tuple[str, str, torch.device], torch.Tensor] = {}
+
+
+def fused_runs_on(device: torch.device) -> bool:
+    """The fused kernel is built for sm_90 and newer (TMA descriptors, wgmma-sized tiles); the interpreter runs it
+    on the CPU. Older GPUs take the general path."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+@torch.compiler.assume_constant_result
+def fused_rows(encoded_cfg: str, operands: str, device: torch.device) -> torch.Tensor:
+    """`fused_row_source(cfg, operands)` on `device`, computed once per (config, operands, device) and kept: the
+    layer asks for it at every weight preparation. A constant of the graph under torch.compile (its Python loops
+    run once, at trace time). encoded_cfg: `cfg.encode()` of a config `fused_gemm_supported` accepts."""
+    key = (encoded_cfg, operands, device)
+    src = _ROWS.get(key)
+    if src is None:
+        src = _ROWS[key] = fused_row_source(QProjConfig.decode(encoded_cfg), operands).to(device)
+    return src
 
 
 def prepare_fused_weight(w_bf16: torch.Tensor, cfg: QProjConfig, src: torch.Tensor | None = None,
