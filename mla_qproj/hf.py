@@ -65,9 +65,24 @@ def _hf_support_problem() -> str | None:
 
 _UNSUPPORTED = _hf_support_problem()
 _V2_NAMES = ("apply_rotary_emb", "eager_attention_forward", "ALL_ATTENTION_FUNCTIONS", "DeepseekV2Attention")
-_V2 = (_hf2.DeepseekV2Attention if _hf2 is not None and all(hasattr(_hf2, n) for n in _V2_NAMES)
-       and hasattr(_hf2.DeepseekV2Attention, "expand_kv")
-       and "cache" in inspect.signature(_hf2.DeepseekV2Attention.forward).parameters else None)
+
+
+def _v2_support_problem() -> str | None:
+    """Why the installed transformers' DeepseekV2 cannot be patched (None when it can, or when it has none)."""
+    if _hf2 is None:
+        return None
+    missing = [n for n in _V2_NAMES if not hasattr(_hf2, n)]
+    if not missing and not hasattr(_hf2.DeepseekV2Attention, "expand_kv"):
+        missing.append("DeepseekV2Attention.expand_kv")
+    if missing:
+        return f"modeling_deepseek_v2 lacks {', '.join(missing)}"
+    if "cache" not in inspect.signature(_hf2.DeepseekV2Attention.forward).parameters:
+        return "DeepseekV2Attention.forward takes no `cache` (transformers >= 5.24 has it)"
+    return None
+
+
+_V2_UNSUPPORTED = _v2_support_problem()
+_V2 = _hf2.DeepseekV2Attention if _hf2 is not None and _V2_UNSUPPORTED is None else None
 # Newer transformers (5.24) name the forward's cache argument `cache` and hand the attention kwargs to cache.update;
 # 5.17 names it `past_key_values` and passes no kwargs. Mirrored as installed.
 _CACHE_TAKES_KWARGS = _UNSUPPORTED is None and "cache" in inspect.signature(_hf.DeepseekV3Attention.forward).parameters
@@ -254,6 +269,11 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     classes = (_hf.DeepseekV3Attention,) + ((_V2,) if _V2 is not None else ())
     attns = [m for m in model.modules() if isinstance(m, classes)]
     if not attns:
+        if _V2_UNSUPPORTED is not None and any(isinstance(m, _hf2.DeepseekV2Attention) for m in model.modules()):
+            import transformers
+
+            raise RuntimeError(f"patch_deepseek does not support DeepseekV2 on transformers {transformers.__version__}"
+                               f": {_V2_UNSUPPORTED}")
         raise ValueError("patch_deepseek_v3: model has no DeepseekV3Attention (or DeepseekV2Attention) module")
     plan = []
     for attn in attns:

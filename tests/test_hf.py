@@ -547,6 +547,21 @@ def _model_v2(q_lora_rank, impl: str = "sdpa", seed: int = 0) -> DeepseekV2ForCa
     return model
 
 
+def test_deepseek_v2_refused_when_unserved(monkeypatch):
+    """With a transformers whose DeepseekV2Attention the patch does not serve (older forwards take no `cache`), a V2
+    model is refused with the reason, before any module changes, not reported as having no attention."""
+    from mla_qproj import hf
+
+    monkeypatch.setattr(hf, "_V2", None)
+    monkeypatch.setattr(hf, "_V2_UNSUPPORTED", "DeepseekV2Attention.forward takes no `cache`")
+    model = _model_v2(32, "eager")
+    keys = list(model.state_dict())
+    with pytest.raises(RuntimeError, match="DeepseekV2 on transformers .*takes no `cache`"):
+        patch_deepseek(model)
+    assert list(model.state_dict()) == keys and fused_query_layer(next(
+        m for m in model.modules() if type(m).__name__ == "DeepseekV2Attention")) is None
+
+
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 @pytest.mark.parametrize("q_lora_rank", [32, None])
 def test_deepseek_v2(q_lora_rank, impl):
@@ -555,6 +570,10 @@ def test_deepseek_v2(q_lora_rank, impl):
     unpatching restores the model exactly."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf2
 
+    from mla_qproj import hf
+
+    if hf._V2 is None:  # CI's transformers serves it; an older one is refused (test_deepseek_v2_refused_when_unserved)
+        pytest.skip(f"this transformers' DeepseekV2 is not patched: {hf._V2_UNSUPPORTED}")
     model = _model_v2(q_lora_rank, impl)
     twin = copy.deepcopy(model)
     ids = _ids()
