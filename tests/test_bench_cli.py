@@ -79,10 +79,15 @@ def test_host_cpu_profile_tool_runs(tmp_path):
 def test_compile_sm90_tool_compiles_without_spills(tmp_path, case, kernels, max_regs):
     """tools/compile_sm90.py on this machine (no GPU): the block-FP8 RMSNorm + quantize launch (the rsigma kernel and
     the word-packed quantizer) and the gradient quantizer's default launch compile for sm_90 with no spill stack and
-    no local memory, the gradient kernel within its 168-register cap (uncapped, ptxas gives it 198), and the tool
-    writes each kernel's SASS where asked."""
+    no local memory, the gradient kernel within its 168-register cap on Triton 3.6 (uncapped, ptxas gives it 198;
+    Triton 3.9's code needs 253 and runs uncapped), and the tool writes each kernel's SASS where asked."""
     import os
     import re
+
+    import triton
+
+    if case.startswith("rope") and not triton.__version__.startswith("3.6."):
+        max_regs = 255
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

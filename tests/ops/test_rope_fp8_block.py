@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -93,8 +94,9 @@ def test_rope_fp8_block(geom, style):
         check_rope(dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE), H, nope, R, D, style, block_scale, cfg)
     if geom == (2, 128, 64, 192):  # DeepSeek-V3's head: contiguous runs in every style
         assert fast_unit(nope, R, D, style) == (32 if style == "neox" else 64)
+        cap = 168 if triton.__version__.startswith("3.6.") else None  # the release the cap was measured on
         assert default_rope_config(nope, R, D, style, DEVICE) == RopeFp8BlockConfig(fast_unit(nope, R, D, style),
-                                                                                     False, 4, maxnreg=168)
+                                                                                     False, 4, maxnreg=cap)
 
 
 @settings(max_examples=examples(8), deadline=None)

@@ -277,17 +277,24 @@ def packed_tokens(unit: int, num_warps: int) -> int:
     return 128 * (unit // 8) // (32 * num_warps)
 
 
+# Triton releases whose code for the contiguous kernel fits 168 registers without spilling (sm_90, offline): 3.6
+# gives it 198 uncapped and 168 with no spill; 3.9 gives it 253 and spills under any cap up to 200
+CAPPED_TRITON = ((3, 6),)
+
+
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
                    device: torch.device) -> RopeFp8BlockConfig:
-    """Contiguous runs (the widest that fits) with 4 warps and at most 168 registers a thread; else 32-column gather
-    runs with 16 warps (sm_90, offline: 8 warps spill there, 16 do not). ptxas gives the contiguous kernel 198
-    registers, so an SM holds 2 of its 128-thread programs; 168 fits 3 (65536 / (128 * 168)) with no spill. On an
-    H200 (DeepSeek-V3, T = 16384) the cap takes it from 0.70 / 0.71 / 0.53 of a device copy to 0.82 / 0.77 / 0.57
-    (deepseek / gptj / neox); 160 and 128 are slower, as are 2 and 8 warps (BENCHMARKS.md)."""
+    """Contiguous runs (the widest that fits) with 4 warps, at most 168 registers a thread on the Triton releases of
+    `CAPPED_TRITON`; else 32-column gather runs with 16 warps (sm_90, offline: 8 warps spill there, 16 do not).
+    Triton 3.6 gives the contiguous kernel 198 registers, so an SM holds 2 of its 128-thread programs; 168 fits 3
+    (65536 / (128 * 168)) with no spill. On an H200 (DeepSeek-V3, T = 16384, Triton 3.6) the cap takes it from
+    0.70 / 0.71 / 0.53 of a device copy to 0.82 / 0.77 / 0.57 (deepseek / gptj / neox); 160 and 128 are slower, as
+    are 2 and 8 warps (BENCHMARKS.md)."""
     w = fast_unit(qk_head_dim, rope_dim, head_dim, rope_style)
     if not w:
         return RopeFp8BlockConfig(unit=32, gather=True, num_warps=16)
-    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4, maxnreg=168)
+    capped = tuple(int(v) for v in triton.__version__.split(".")[:2]) in CAPPED_TRITON
+    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4, maxnreg=168 if capped else None)
 
 
 def rope_fp8_block_outputs(dq2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
