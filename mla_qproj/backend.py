@@ -34,12 +34,6 @@ def select(cfg: QProjConfig, backend: str, device: torch.device) -> Recipe:
     return get_recipe(cfg.precision, resolve_backend(backend, device))
 
 
-def prepare_weight(weight: torch.Tensor, cfg: QProjConfig, recipe: Recipe, key: tuple) -> PreparedWeight:
-    """What the GEMMs read of W (the module caches it per weight version); weight may be a pre-quantized
-    (codes, scale_inv) pair."""
-    return recipe.prepare_weight(weight, cfg, key)
-
-
 def forward(x2d, norm_weight, pw: PreparedWeight, cos_h, sin_h, cfg: QProjConfig, recipe: Recipe,
             save: bool = True, par: Parallel | None = None):
     """Returns (the query's four outputs as `reference.qproj.quantize_output` lays them out, None for absent ones;

@@ -288,14 +288,14 @@ class FusedMLAQUpProjection(nn.Module):
         if torch.compiler.is_compiling():
             # under torch.compile the weight's quantization is part of the graph, every call: a Python-side
             # cache would be baked into the graph (stale after an update) or break it
-            return _backend.prepare_weight(w, self.cfg, recipe, ())
+            return recipe.prepare_weight(w, self.cfg, ())
         # _version moves with in-place torch ops; _weight_epoch with torch.optim steps (fused ones included);
         # the storage pointer with re-assignment of .data or a new Parameter
         wt = self.weight
         key = (wt._version, self._weight_epoch, wt.data_ptr(), wt.dtype, wt.device, tuple(wt.shape), recipe.kernels,
                None if si is None else (si._version, si.data_ptr()))
         if self._wcache is None or self._wcache.key != key:
-            self._wcache = _backend.prepare_weight(w, self.cfg, recipe, key)
+            self._wcache = recipe.prepare_weight(w, self.cfg, key)
         return self._wcache
 
     def _pair_tables(self, x: torch.Tensor, lead: torch.Size, cos, sin,

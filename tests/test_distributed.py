@@ -251,7 +251,7 @@ def test_overlapped_forward_in_one_process(precision, fmt, col, device):
     ang = torch.rand(T, r // 2, device=device) * 6
     cos_h, sin_h = ang.cos(), ang.sin()
     recipe = get_recipe(precision, kernels=True)
-    pw = _backend.prepare_weight(w, cfg, recipe, ())
+    pw = recipe.prepare_weight(w, cfg, ())
     assert pw.get("fused") is not None, "the fused kernel covers this geometry"
     whole = _backend.forward(x, nw, pw, cos_h, sin_h, cfg, recipe, save=False)[0]
     wires = [recipe.wire_input(recipe.norm_quant(x[j * n:(j + 1) * n], nw, cfg, False)[1], cfg)
