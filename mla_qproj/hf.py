@@ -269,7 +269,8 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     classes = (_hf.DeepseekV3Attention,) + ((_V2,) if _V2 is not None else ())
     attns = [m for m in model.modules() if isinstance(m, classes)]
     if not attns:
-        if _V2_UNSUPPORTED is not None and any(isinstance(m, _hf2.DeepseekV2Attention) for m in model.modules()):
+        v2 = getattr(_hf2, "DeepseekV2Attention", None)  # absent from a transformers that lacks it altogether
+        if _V2_UNSUPPORTED is not None and v2 is not None and any(isinstance(m, v2) for m in model.modules()):
             import transformers
 
             raise RuntimeError(f"patch_deepseek does not support DeepseekV2 on transformers {transformers.__version__}"

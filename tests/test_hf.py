@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import io
+import types
 
 import pytest
 import torch
@@ -560,6 +561,10 @@ def test_deepseek_v2_refused_when_unserved(monkeypatch):
         patch_deepseek(model)
     assert list(model.state_dict()) == keys and fused_query_layer(next(
         m for m in model.modules() if type(m).__name__ == "DeepseekV2Attention")) is None
+    # a modeling_deepseek_v2 without the class at all: a model of neither kind is told so
+    monkeypatch.setattr(hf, "_hf2", types.SimpleNamespace())
+    with pytest.raises(ValueError, match="no DeepseekV3Attention"):
+        patch_deepseek(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
