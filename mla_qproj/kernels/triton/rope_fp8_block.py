@@ -280,6 +280,7 @@ def packed_tokens(unit: int, num_warps: int) -> int:
 # Triton releases whose code for the contiguous kernel fits 168 registers without spilling (sm_90, offline): 3.6
 # gives it 198 uncapped and 168 with no spill; 3.9 gives it 253 and spills under any cap up to 200
 CAPPED_TRITON = ((3, 6),)
+_CONTIGUOUS_MAXNREG = 168 if tuple(int(v) for v in triton.__version__.split(".")[:2]) in CAPPED_TRITON else None
 
 
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
@@ -293,8 +294,7 @@ def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: s
     w = fast_unit(qk_head_dim, rope_dim, head_dim, rope_style)
     if not w:
         return RopeFp8BlockConfig(unit=32, gather=True, num_warps=16)
-    capped = tuple(int(v) for v in triton.__version__.split(".")[:2]) in CAPPED_TRITON
-    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4, maxnreg=168 if capped else None)
+    return RopeFp8BlockConfig(unit=w, gather=False, num_warps=4, maxnreg=_CONTIGUOUS_MAXNREG)
 
 
 def rope_fp8_block_outputs(dq2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
