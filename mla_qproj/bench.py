@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ._constants import DEEPSEEK_V3, E4M3_MAX, FLT_MAX
+from .options import MXFP8Query
 from .reference.mxfp8 import quantize_rowwise
 from .reference.rope import apply_rope, build_rope_tables, rope_inv_freq
 from .tensor import MXFP8Tensor
@@ -91,7 +92,7 @@ class Row:
 VARIANTS = {
     "mxfp8": {},
     "mxfp8_posids": {},
-    "mxfp8_colwise_out": {"columnwise_output": True},
+    "mxfp8_colwise_out": {"output_format": MXFP8Query(columnwise=True)},
     "mxfp8_bf16_out": {"output_format": "bf16"},
     "bf16_gemm": {"precision": "bf16"},
     "fp8_block": {"precision": "fp8_block", "output_format": "bf16"},

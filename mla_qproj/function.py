@@ -53,10 +53,10 @@ def forward_query(x, norm_weight, cos_h, sin_h, pw, cfg: QProjConfig, recipe: Re
         rd, rs = rd.view(qshape), rs.view(qshape[:-1] + (cfg.q_head_dim // 32,))
         cd = None if cd is None else cd.view(qshape)
     if torch.compiler.is_compiling():  # dynamo traces the subclass through its constructor
-        q = MXFP8Tensor(shape=qshape, dtype=x.dtype, scale_mode=cfg.scale_mode, rowwise_data=rd, rowwise_scale=rs,
-                        columnwise_data=cd, columnwise_scale=cs)
+        q = MXFP8Tensor(shape=qshape, dtype=x.dtype, scale_mode=cfg.query_scale_mode, rowwise_data=rd,
+                        rowwise_scale=rs, columnwise_data=cd, columnwise_scale=cs)
     else:
-        q = MXFP8Tensor._from_kernel_outputs(torch.Size(qshape), x.dtype, cfg.scale_mode, rd, rs, cd, cs)
+        q = MXFP8Tensor._from_kernel_outputs(torch.Size(qshape), x.dtype, cfg.query_scale_mode, rd, rs, cd, cs)
     return q, x2d, rsigma, saved
 
 

@@ -25,7 +25,7 @@ import inspect
 import torch
 from torch import nn
 
-from .module import FusedMLAQUpProjection
+from .module import FusedMLAQUpProjection, layer_options
 from .tensor import MXFP8Tensor
 
 try:
@@ -41,8 +41,6 @@ except ImportError:  # pragma: no cover - transformers without DeepseekV2
 __all__ = ["patch_deepseek", "unpatch_deepseek", "patch_deepseek_v3", "unpatch_deepseek_v3", "fused_query_layer"]
 
 _LAYER_KEY = "_mla_qproj_query_layer"  # attn.__dict__ entry holding the fused layer (not a registered submodule)
-_ALLOWED_KWARGS = ("precision", "output_format", "scale_mode", "block_scale", "backend", "columnwise_output")
-_DEFAULT_KWARGS = {"precision": "bf16", "output_format": "bf16"}
 _HF_NAMES = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "eager_attention_forward",
              "ALL_ATTENTION_FUNCTIONS")
 
@@ -243,8 +241,8 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     the same tables. Keys, values, the KV cache, masks and the attention function (`attn_implementation`, eager /
     sdpa / others registered in ALL_ATTENTION_FUNCTIONS) are computed as in the installed transformers.
 
-    layer_kwargs: `precision`, `output_format`, `scale_mode`, `block_scale`, `backend`, `columnwise_output` of
-    the layer; the default is `precision="bf16", output_format="bf16"`. The attention functions take a dense
+    layer_kwargs: the layer's `precision`, `output_format` and `backend` (its defaults: `precision="bf16",
+    output_format="bf16"`). The attention functions take a dense
     query: a bf16 query is cast to the activations' dtype, an MXFP8 one (`output_format="mxfp8"`) is dequantized
     to it.
 
@@ -261,11 +259,7 @@ def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
 
         raise RuntimeError(f"patch_deepseek_v3 does not support transformers {transformers.__version__}: "
                            f"{_UNSUPPORTED} (written for 5.17 - 5.24)")
-    unknown = sorted(set(layer_kwargs) - set(_ALLOWED_KWARGS))
-    if unknown:
-        raise TypeError(f"patch_deepseek_v3: unsupported layer argument(s) {unknown}; allowed: {_ALLOWED_KWARGS} "
-                        "(geometry, eps and RoPE come from the model)")
-    kwargs = {**_DEFAULT_KWARGS, **layer_kwargs}
+    kwargs = layer_options("patch_deepseek_v3", layer_kwargs, "geometry, eps and RoPE come from the model")
     classes = (_hf.DeepseekV3Attention,) + ((_V2,) if _V2 is not None else ())
     attns = [m for m in model.modules() if isinstance(m, classes)]
     if not attns:

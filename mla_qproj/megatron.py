@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from .module import FusedMLAQUpProjection
+from .module import FusedMLAQUpProjection, layer_options
 from .tensor import MXFP8Tensor
 
 try:
@@ -48,8 +48,6 @@ except ImportError as e:  # pragma: no cover - exercised only without megatron-c
 
 __all__ = ["FusedMLASelfAttention", "mla_layer_spec", "fused_query_layer"]
 
-_ALLOWED_KWARGS = ("precision", "output_format", "scale_mode", "block_scale", "backend", "columnwise_output")
-_DEFAULT_KWARGS = {"precision": "bf16", "output_format": "bf16"}
 _WARNED: set = set()
 
 
@@ -60,12 +58,8 @@ def _warn_once(reason: str) -> None:
 
 
 def _check_kwargs(layer_kwargs: dict | None) -> dict:
-    layer_kwargs = dict(layer_kwargs or {})
-    unknown = sorted(set(layer_kwargs) - set(_ALLOWED_KWARGS))
-    if unknown:
-        raise TypeError(f"fused_query: unsupported layer argument(s) {unknown}; allowed: {_ALLOWED_KWARGS} "
-                        "(geometry, eps, RoPE and parallelism come from the Megatron config)")
-    return {**_DEFAULT_KWARGS, **layer_kwargs}
+    return layer_options("fused_query", layer_kwargs,
+                         "geometry, eps, RoPE and parallelism come from the Megatron config")
 
 
 def _static_problem(attn) -> str | None:
@@ -118,9 +112,9 @@ class FusedMLASelfAttention(MLASelfAttention):
     """Megatron-Core's `MLASelfAttention` with the query path through one `FusedMLAQUpProjection` (module doc).
 
     Built like `MLASelfAttention` (from a layer spec: `mla_layer_spec`), plus `fused_query`: a dict of the fused
-    layer's `precision`, `output_format`, `scale_mode`, `block_scale`, `backend`, `columnwise_output` (default
-    `precision="bf16", output_format="bf16"`). The fused layer is kept outside the module tree: `state_dict()` keys,
-    `named_parameters()` and the distributed optimizer's buffers are those of `MLASelfAttention`.
+    layer's `precision`, `output_format` and `backend` (its defaults: `precision="bf16", output_format="bf16"`).
+    The fused layer is kept outside the module tree: `state_dict()` keys, `named_parameters()` and the distributed
+    optimizer's buffers are those of `MLASelfAttention`.
     """
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.padding, cp_comm_type=None,
@@ -251,8 +245,8 @@ def mla_layer_spec(spec=None, **layer_kwargs):
     spec: a layer `ModuleSpec` (`get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, ...)`)
     or a decoder block spec (`TransformerBlockSubmodules` / a ModuleSpec holding one, as
     `get_gpt_decoder_block_spec` returns); it is copied, not changed. None: Megatron's local-module MLA spec with
-    RMSNorm and the query / kv layernorms. layer_kwargs: the fused layer's `precision`, `output_format`,
-    `scale_mode`, `block_scale`, `backend`, `columnwise_output` (default precision="bf16", output_format="bf16").
+    RMSNorm and the query / kv layernorms. layer_kwargs: the fused layer's `precision`, `output_format` and
+    `backend` (its defaults: precision="bf16", output_format="bf16").
     Raises ValueError when the spec holds no MLASelfAttention, TypeError for another layer argument.
     """
     kwargs = _check_kwargs(layer_kwargs)

@@ -14,6 +14,7 @@ from ._config import BACKENDS, QProjConfig, validate_choice
 from ._constants import FLOAT_DTYPES
 from .distributed import Parallel
 from .function import _FusedMLAQUpProjFunction, forward_query, query_shape
+from .options import Precision, QueryFormat, as_precision
 from .recipes import Recipe, get_recipe
 from .reference.rope import half_table, normalize_rope_scaling, rope_inv_freq
 
@@ -37,6 +38,39 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_on_optimizer_step)
 
 
+_MOVED = {
+    "block_scale": "precision=FP8Block(block_scale=...)",
+    "scale_mode": "precision=MXFP8(scale_mode=...) for the GEMM inputs, output_format=MXFP8Query(scale_mode=...) "
+                  "for the query",
+    "columnwise_output": "output_format=MXFP8Query(columnwise=True)",
+}
+
+
+def _refuse_removed(kwargs: dict) -> None:
+    """A keyword the constructor does not take: the options that moved into the precision and query objects
+    (mla_qproj.options) say where they went."""
+    name = next(iter(kwargs))
+    if name in _MOVED:
+        raise TypeError(f"FusedMLAQUpProjection no longer takes {name}=: pass {_MOVED[name]} (mla_qproj.options)")
+    raise TypeError(f"FusedMLAQUpProjection got an unexpected keyword argument {name!r}")
+
+
+LAYER_OPTIONS = ("precision", "output_format", "backend")  # what the integrations (hf, megatron, torchtitan) pass on
+
+
+def layer_options(caller: str, kwargs: dict | None, source: str) -> dict:
+    """An integration's layer keywords, checked: only LAYER_OPTIONS (the rest comes from the model: `source`)."""
+    kwargs = dict(kwargs or {})
+    moved = [k for k in kwargs if k in _MOVED]
+    if moved:
+        raise TypeError(f"{caller}: {moved[0]}= moved into the precision / query objects: pass {_MOVED[moved[0]]} "
+                        "(mla_qproj.options)")
+    unknown = sorted(set(kwargs) - set(LAYER_OPTIONS))
+    if unknown:
+        raise TypeError(f"{caller}: unsupported layer argument(s) {unknown}; allowed: {LAYER_OPTIONS} ({source})")
+    return kwargs
+
+
 def _check_rmsnorm(norm) -> None:
     """from_modules computes RMSNorm whatever module it is given: refuse one that computes something else (a
     LayerNorm subtracts the mean and adds a bias). Accepted: torch.nn.RMSNorm, and a class named *RMSNorm (HF's
@@ -57,9 +91,9 @@ def _check_fp8_weight(linear: nn.Module, lw: torch.Tensor, kwargs: dict) -> torc
     high-precision Linear."""
     if lw.dtype != torch.float8_e4m3fn:
         return None
-    if kwargs.get("precision") != "fp8_block":
-        raise ValueError(f"linear.weight is float8_e4m3fn (pre-quantized): precision must be 'fp8_block', got "
-                         f"{kwargs.get('precision', 'mxfp8')!r}")
+    if as_precision(kwargs.get("precision", "bf16")).name != "fp8_block":
+        raise ValueError(f"linear.weight is float8_e4m3fn (pre-quantized): precision must be 'fp8_block' or "
+                         f"FP8Block(...), got {kwargs.get('precision', 'bf16')!r}")
     si = getattr(linear, "weight_scale_inv", None)
     N, K = lw.shape
     want = (-(-N // 128), -(-K // 128))
@@ -77,7 +111,7 @@ def _check_fp8_weight(linear: nn.Module, lw: torch.Tensor, kwargs: dict) -> torc
 
 
 class FusedMLAQUpProjection(nn.Module):
-    """q = RoPE(W_uq · RMSNorm(x)) for Multi-head Latent Attention, with MXFP8 GEMM inputs and query (SPEC §1).
+    """q = RoPE(W_uq · RMSNorm(x)) for Multi-head Latent Attention in one layer (SPEC §1).
 
     Args:
         q_lora_rank: K, width of the latent x (multiple of 32).
@@ -85,20 +119,19 @@ class FusedMLAQUpProjection(nn.Module):
         qk_head_dim: per-head columns that pass through (no RoPE).
         qk_pos_emb_head_dim: R, per-head RoPE columns (even, > 0), starting at column qk_head_dim.
         q_head_dim: D, per-head width (default qk_head_dim + R); trailing columns past nope + R pass through.
-        eps, zero_centered_gamma: RMSNorm (g = 1 + norm_weight when zero-centered).
+        The rest by keyword only:
         norm: "rmsnorm" (default) or None: no norm, the input (already normalized: a model's `q_proj`, whose width
             K is then the hidden size) quantized as it is; no `norm_weight` parameter (SPEC §7).
+        eps, zero_centered_gamma: RMSNorm (g = 1 + norm_weight when zero-centered).
         rope_style: "deepseek" (interleaved pairs, de-interleaved output), "neox" or "gptj" (SPEC §3).
-        precision: GEMM inputs: "mxfp8" (MXFP8, on bf16 tensor cores on Hopper), "bf16", or "fp8_block"
-            (DeepSeek-V3 / TransformerEngine Float8BlockScaling: 1x128 and 128x128 blocks, FP8 tensor cores; needs
-            q_lora_rank % 128 == 0). output_format: "mxfp8" (MXFP8Tensor) or "bf16".
-        columnwise_output: also produce the query's columnwise MXFP8 (32-blocks along T).
-        scale_mode: the MXFP8 scales (query, and GEMM inputs with precision "mxfp8"): "rceil"
-            (TransformerEngine-compatible, default) or "floor" (OCP v1.0).
-        block_scale: precision "fp8_block" only: "pow2" (power-of-two scales, TransformerEngine's Hopper default),
-            "fp32" (TransformerEngine's rule without power-of-two rounding: scale = fp32(448 / amax), scale_inv its
-            reciprocal) or "deepseek" (DeepSeek-V3's kernels: scale_inv = fp32(amax / 448), codes x / scale_inv).
         rope_theta, rope_scaling: built-in tables for `position_ids` (None or a YaRN dict, HF or DeepSeek form).
+        precision: the GEMM inputs, an object of `mla_qproj.options` carrying its options, or its name for the
+            defaults: `BF16()` / "bf16" (default: the bf16 layer, no quantization), `FP8Block(block_scale="pow2")`
+            / "fp8_block" (DeepSeek-V3 / TransformerEngine Float8BlockScaling: 1x128 and 128x128 blocks, FP8
+            tensor cores; needs q_lora_rank % 128 == 0), `MXFP8(scale_mode="rceil")` / "mxfp8" (on bf16 tensor
+            cores on Hopper).
+        output_format: the query, `BF16Query()` / "bf16" (default: a bf16 tensor) or `MXFP8Query(scale_mode="rceil",
+            columnwise=False)` / "mxfp8" (an MXFP8Tensor; columnwise: also its 32-blocks along T).
         backend: "auto" (Triton on CUDA, or on CPU under TRITON_INTERPRET=1; else PyTorch), "triton", "torch".
         tp_group: a torch.distributed process group for tensor parallelism over heads (SPEC §6): num_heads is the
             global count and this rank holds heads [r·H/tp, (r+1)·H/tp) (Megatron's column-parallel layout:
@@ -115,18 +148,20 @@ class FusedMLAQUpProjection(nn.Module):
     query's leading dims (leading dims of size 1 beyond them dropped: HF's [1, T] for x [T, K]).
 
     Example:
-        >>> layer = FusedMLAQUpProjection(1536, 128, 128, 64)
-        >>> q = layer(x, position_ids=torch.arange(x.shape[0]))   # x: [T, 1536] -> MXFP8Tensor [T, 128, 192]
+        >>> layer = FusedMLAQUpProjection(1536, 128, 128, 64, precision="fp8_block")
+        >>> q = layer(x, position_ids=torch.arange(x.shape[0]))   # x: [T, 1536] -> bf16 [T, 128, 192]
     """
 
     def __init__(self, q_lora_rank: int, num_heads: int, qk_head_dim: int, qk_pos_emb_head_dim: int,
-                 q_head_dim: int | None = None, eps: float = 1e-6, zero_centered_gamma: bool = False,
-                 rope_style: str = "deepseek", precision: str = "mxfp8", output_format: str = "mxfp8",
-                 columnwise_output: bool = False, scale_mode: str = "rceil", block_scale: str = "pow2",
-                 rope_theta: float = 10000.0, rope_scaling: dict | None = None, backend: str = "auto",
-                 tp_group=None, sequence_parallel: bool = False, tp_comm_overlap: bool = False, device=None,
-                 dtype=None, norm: str | None = "rmsnorm") -> None:
+                 q_head_dim: int | None = None, *, norm: str | None = "rmsnorm", eps: float = 1e-6,
+                 zero_centered_gamma: bool = False, rope_style: str = "deepseek", rope_theta: float = 10000.0,
+                 rope_scaling: dict | None = None, precision: str | Precision = "bf16",
+                 output_format: str | QueryFormat = "bf16", backend: str = "auto", tp_group=None,
+                 sequence_parallel: bool = False, tp_comm_overlap: bool = False, device=None, dtype=None,
+                 **removed) -> None:
         super().__init__()
+        if removed:
+            _refuse_removed(removed)
         if norm not in ("rmsnorm", None):
             raise ValueError(f"norm must be 'rmsnorm' or None (no norm: the input is quantized as it is), got {norm!r}")
         if norm is None and eps != 1e-6:
@@ -134,8 +169,7 @@ class FusedMLAQUpProjection(nn.Module):
         self.par = Parallel.make(tp_group, sequence_parallel, tp_comm_overlap)
         self.tp_size = 1 if self.par is None else self.par.world
         global_cfg = QProjConfig.make(q_lora_rank, num_heads, qk_head_dim, qk_pos_emb_head_dim, q_head_dim, eps,
-                                      zero_centered_gamma, rope_style, precision, output_format, columnwise_output,
-                                      scale_mode, block_scale, norm is not None)
+                                      zero_centered_gamma, rope_style, precision, output_format, norm is not None)
         if num_heads % self.tp_size:
             raise ValueError(f"num_heads ({num_heads}) must be divisible by the tp_group size ({self.tp_size})")
         self.num_heads = num_heads  # global; self.cfg describes this rank's heads (what its kernels compute)
@@ -257,14 +291,11 @@ class FusedMLAQUpProjection(nn.Module):
         s = (f"{'q_lora_rank' if c.norm else 'in_features'}={c.q_lora_rank}, num_heads={self.num_heads}, "
              f"qk_head_dim={c.qk_head_dim}, qk_pos_emb_head_dim={c.rope_dim}, q_head_dim={c.q_head_dim}, "
              f"{f'eps={c.eps}, ' if c.norm else ''}rope_style={c.rope_style}, "
-             f"precision={c.precision}, output_format={c.output_format}, scale_mode={c.scale_mode}")
-        s += "".join(f", {k}={v}" for k, v in get_recipe(c.precision).options(c).items())
+             f"precision={c.precision_options}, output_format={c.query_format}")
         if self.par is not None:
             s += f", tp_size={self.tp_size}, local_heads={c.num_heads}, sequence_parallel={self.par.sequence_parallel}"
             if self.par.overlap:
                 s += ", tp_comm_overlap=True"
-        if c.columnwise_output:
-            s += ", columnwise_output=True"
         if c.zero_centered_gamma:
             s += ", zero_centered_gamma=True"
         if not c.norm:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .module import FusedMLAQUpProjection
+from .module import FusedMLAQUpProjection, layer_options
 from .tensor import MXFP8Tensor
 
 try:
@@ -59,8 +59,6 @@ __all__ = ["patch_deepseek_v3", "unpatch_deepseek_v3", "fused_query_layer"]
 
 _LAYER_KEY = "_mla_qproj_query_layer"
 _KWARGS_KEY = "_mla_qproj_layer_kwargs"
-_ALLOWED_KWARGS = ("precision", "output_format", "scale_mode", "block_scale", "backend", "columnwise_output")
-_DEFAULT_KWARGS = {"precision": "bf16", "output_format": "bf16"}
 
 # TP layers read their weight through a fresh `to_local()` view at every call: the module's own weight-cache hook
 # (keyed by the layer's weight) cannot see a fused optimizer update the DTensor parameter, so this one does
@@ -256,19 +254,14 @@ class _PatchedForward:
 def patch_deepseek_v3(model: nn.Module, **layer_kwargs) -> nn.Module:
     """Route the query path of every TorchTitan DeepSeek-V3 `Attention` in `model` through one
     `FusedMLAQUpProjection` sharing `q_norm.weight` and `wq_b.weight` (module doc). layer_kwargs: the layer's
-    `precision`, `output_format`, `scale_mode`, `block_scale`, `backend`, `columnwise_output` (default
-    precision="bf16", output_format="bf16"). Patch before or after `model.parallelize(...)` (tensor parallelism:
-    module doc); attentions in a layout the layer does not serve (FSDP, spmd_types, ...) keep TorchTitan's forward
-    (a warning says which). Returns `model`, patched in place.
+    `precision`, `output_format` and `backend` (its defaults: precision="bf16", output_format="bf16"). Patch before
+    or after `model.parallelize(...)` (tensor parallelism: module doc); attentions in a layout the layer does not
+    serve (FSDP, spmd_types, ...) keep TorchTitan's forward (a warning says which). Returns `model`, patched in place.
     Raises TypeError for another argument, ValueError when the model has no such attention or the layer rejects its
     geometry."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    unknown = sorted(set(layer_kwargs) - set(_ALLOWED_KWARGS))
-    if unknown:
-        raise TypeError(f"patch_deepseek_v3: unsupported layer argument(s) {unknown}; allowed: {_ALLOWED_KWARGS} "
-                        "(geometry, eps and RoPE come from the model)")
-    kwargs = {**_DEFAULT_KWARGS, **layer_kwargs}
+    kwargs = layer_options("patch_deepseek_v3", layer_kwargs, "geometry, eps and RoPE come from the model")
     attns = [m for m in model.modules() if isinstance(m, Attention)]
     if not attns:
         raise ValueError("patch_deepseek_v3: model has no torchtitan deepseek_v3 Attention module")

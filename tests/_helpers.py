@@ -119,3 +119,32 @@ def sgd_side_by_side(fused, stock, loss_of, steps: int, lr: float, bound: float,
         stock_losses.append(losses[1])
     assert stock_losses[-1] < stock_losses[0], f"{tag} the stock model did not train: {stock_losses}"
     assert losses[0] < stock_losses[0], f"{tag} the fused model did not train"
+
+
+_FLAT_OPTIONS = ("precision", "output_format", "columnwise_output", "scale_mode", "block_scale")
+
+
+def layer_kwargs(kw: dict | None = None, **more) -> dict:
+    """Layer keywords from the flat numeric options the tests are parametrized with: `precision` and
+    `output_format` names (default "mxfp8" for both: the MXFP8 path these tests cover unless they say otherwise),
+    `columnwise_output`, `scale_mode` (the MXFP8 inputs' and the MXFP8 query's alike) and `block_scale`, turned into
+    the layer's precision and query objects (mla_qproj.options); every other keyword passes through."""
+    from mla_qproj import BF16, MXFP8, BF16Query, FP8Block, MXFP8Query
+
+    kw = {**(kw or {}), **more}
+    flat = {k: kw.pop(k) for k in _FLAT_OPTIONS if k in kw}
+    precision, fmt = flat.get("precision", "mxfp8"), flat.get("output_format", "mxfp8")
+    mode = flat.get("scale_mode", "rceil")
+    if isinstance(precision, str):
+        precision = {"mxfp8": lambda: MXFP8(mode), "bf16": BF16,
+                     "fp8_block": lambda: FP8Block(flat.get("block_scale", "pow2"))}[precision]()
+    if isinstance(fmt, str):
+        fmt = BF16Query() if fmt == "bf16" else MXFP8Query(mode, bool(flat.get("columnwise_output", False)))
+    return {**kw, "precision": precision, "output_format": fmt}
+
+
+def make_config(*args, **kw):
+    """`QProjConfig.make` with the flat numeric options of `layer_kwargs` (MXFP8 inputs and query by default)."""
+    from mla_qproj._config import QProjConfig
+
+    return QProjConfig.make(*args, **layer_kwargs(kw))

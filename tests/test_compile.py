@@ -67,7 +67,7 @@ def test_compiled_module_matches_eager(output_format, geom, precision):
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_compiled_module_follows_weight_updates(precision):
     K = _k_for(precision, 64)
-    layer = FusedMLAQUpProjection(K, 2, 32, 32, precision=precision, device=DEVICE)
+    layer = FusedMLAQUpProjection(K, 2, 32, 32, precision=precision, output_format="mxfp8", device=DEVICE)
     compiled = torch.compile(layer, fullgraph=True, backend=_BACKEND)  # inference: the layer alone
     x = torch.randn(33, K, device=DEVICE)
     cos, sin = torch.randn(33, 32, device=DEVICE), torch.randn(33, 32, device=DEVICE)
@@ -155,7 +155,7 @@ def test_compiled_layer_alone_takes_a_dense_gradient(output_format, precision):
 def test_compiled_layer_alone_inductor():
     """The inductor backend (C++ code generation on the CPU lane, Triton on CUDA): the layer alone, MXFP8 query,
     dense gradient from eager code; same bytes as eager."""
-    layer = FusedMLAQUpProjection(*_FUSED, device=DEVICE)
+    layer = FusedMLAQUpProjection(*_FUSED, precision="mxfp8", output_format="mxfp8", device=DEVICE)
     compiled = torch.compile(layer, fullgraph=True, backend="inductor")
     x, cos, sin = _inputs(_FUSED)
     dy = torch.randn(33, _FUSED[1], _FUSED[4], device=DEVICE)

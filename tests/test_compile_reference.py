@@ -29,7 +29,7 @@ _CHILD = r"""
 import json, sys, traceback
 import torch
 import mla_qproj
-from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
+from mla_qproj import FusedMLAQUpProjection, MXFP8Query, MXFP8Tensor
 from mla_qproj.backend import resolve_backend
 
 assert not resolve_backend("auto", torch.device("cpu")), "backend='auto' should run the reference here"
@@ -62,8 +62,8 @@ def run(layer, forward, x, tables, dy):
 def check(precision, output_format, table):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = FusedMLAQUpProjection(K, H, NOPE, R, precision=precision, output_format=output_format,
-                                  columnwise_output=output_format == "mxfp8", backend="auto")
+    layer = FusedMLAQUpProjection(K, H, NOPE, R, precision=precision, backend="auto",
+                                  output_format=MXFP8Query(columnwise=True) if output_format == "mxfp8" else "bf16")
     with torch.no_grad():
         layer.norm_weight.uniform_(0.5, 1.5)
     x = torch.randn(T, K, requires_grad=True)

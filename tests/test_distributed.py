@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
 from mla_qproj import backend as _backend
 
+from _helpers import layer_kwargs, make_config
 from _tolerances import REL_ERR_REDUCTION_ORDER, assert_bytes_equal, assert_rel_err
 
 K, H, NOPE, R = 128, 4, 32, 32
@@ -62,8 +63,8 @@ def _check_case(rank: int, world: int, precision: str, output_format: str, colum
     tag = (f"[world={world} rank={rank} {precision}/{output_format} col={columnwise} sp={sp} overlap={overlap} "
            f"{style} {backend} {dev} norm={norm}]")
     dev = torch.device(dev)
-    kw = dict(precision=precision, output_format=output_format, columnwise_output=columnwise, backend=backend,
-              rope_style=style, device=dev, norm=norm)
+    kw = layer_kwargs(precision=precision, output_format=output_format, columnwise_output=columnwise,
+                      backend=backend, rope_style=style, device=dev, norm=norm)
     torch.manual_seed(1234)  # the same parameters and inputs on every rank
     full = FusedMLAQUpProjection(K, H, NOPE, R, **kw)
     with torch.no_grad():
@@ -235,7 +236,6 @@ def test_overlapped_forward_in_one_process(precision, fmt, col, device):
     with the peers' gathered tensors handed in the ring's order: the kernels' side of `tp_comm_overlap` (each
     rank's launch into its rows of the query, the wire tensors decoded per rank) gives the bytes of one forward over
     all tokens. The gloo tests above cover the ring itself."""
-    from mla_qproj._config import QProjConfig
     from mla_qproj.distributed import Parallel
     from mla_qproj.recipes import get_recipe
 
@@ -243,7 +243,7 @@ def test_overlapped_forward_in_one_process(precision, fmt, col, device):
         (k, h, p, r, d), world, n = (1536, 32, 128, 64, 192), 4, 4096
     else:
         (k, h, p, r, d), world, n = (128, 2, 32, 64, 96), 3, 32
-    cfg = QProjConfig.make(k, h, p, r, d, output_format=fmt, columnwise_output=col, precision=precision)
+    cfg = make_config(k, h, p, r, d, output_format=fmt, columnwise_output=col, precision=precision)
     T = n * world
     x = torch.randn(T, k, device=device, dtype=torch.bfloat16)
     nw = (1 + 0.2 * torch.randn(k, device=device)).to(torch.bfloat16)

@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_mod  # noqa: E402
 
-from mla_qproj import FusedMLAQUpProjection  # noqa: E402
+from mla_qproj import FP8Block, FusedMLAQUpProjection  # noqa: E402
 from mla_qproj.hf import (  # noqa: E402
     fused_query_layer,
     patch_deepseek,
@@ -267,7 +267,7 @@ def test_logits_fp8_block(block_scale):
     model = _model(q_lora_rank=FP8_BLOCK_RANK)
     ids = _ids()
     ref = model(ids).logits
-    patch_deepseek_v3(model, precision="fp8_block", block_scale=block_scale)
+    patch_deepseek_v3(model, precision=FP8Block(block_scale=block_scale))
     for a in _attentions(model):
         cfg = fused_query_layer(a).cfg
         assert (cfg.precision, cfg.block_scale, cfg.q_lora_rank) == ("fp8_block", block_scale, FP8_BLOCK_RANK)

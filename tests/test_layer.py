@@ -19,7 +19,7 @@ from mla_qproj.kernels.triton.rope_quant import rope_quant
 from mla_qproj.reference.mxfp8 import dequantize_columnwise
 from mla_qproj.reference.rope import apply_rope, apply_rope_inverse
 
-from _helpers import rope_oracle
+from _helpers import layer_kwargs, rope_oracle
 from _tolerances import (
     MIN_CODE_MATCH,
     MIN_CODE_MATCH_FP8_TC,
@@ -41,7 +41,7 @@ V3 = {"K": 1536, "H": 128, "nope": 128, "R": 64}
 
 def make_layer(K, H, nope, R, D=None, dtype=torch.float32, zero_centered_gamma=False, **kw):
     layer = FusedMLAQUpProjection(K, H, nope, R, q_head_dim=D, zero_centered_gamma=zero_centered_gamma,
-                                  device=DEV, dtype=dtype, **kw)
+                                  device=DEV, dtype=dtype, **layer_kwargs(kw))
     with torch.no_grad():  # a non-trivial gamma, so dnorm_weight and the g factor are exercised
         layer.norm_weight.copy_(0.2 * torch.randn(K) + (0.0 if zero_centered_gamma else 1.0))
     return layer

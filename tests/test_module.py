@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor, mxfp8_quantize
+from mla_qproj import FusedMLAQUpProjection, MXFP8Query, MXFP8Tensor, mxfp8_quantize
 
+from _helpers import layer_kwargs
 from _tolerances import REL_ERR_SAME_QUANT, assert_bytes_equal, rel_err
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -26,7 +27,7 @@ def k_for(precision: str) -> int:
 
 def layer_(**kw):
     kw.setdefault("device", DEV)
-    return FusedMLAQUpProjection(k_for(kw.get("precision", "mxfp8")), H, NOPE, R, **kw)
+    return FusedMLAQUpProjection(k_for(kw.get("precision", "mxfp8")), H, NOPE, R, **layer_kwargs(kw))
 
 
 def tables(lead, rope=R, device=DEV):
@@ -54,12 +55,11 @@ def dense(q):  # MXFP8Tensor or bf16 -> fp32 dense (autograd flows)
     ((64, 2, 0, 32), {"q_head_dim": 0}, "q_head_dim"),
     ((64, 2, 0, 32), {"q_head_dim": -32}, "q_head_dim"),
     ((48, 2, 32, 32), {}, "q_lora_rank"),  # % 32
-    ((64, 2, 16, 16), {"q_head_dim": 40}, "q_head_dim"),  # % 32 with mxfp8 output
-    ((64, 2, 24, 16), {}, "q_head_dim"),  # default q_head_dim 40
+    ((64, 2, 16, 16), {"q_head_dim": 40, "output_format": "mxfp8"}, "q_head_dim"),  # % 32 with mxfp8 output
+    ((64, 2, 24, 16), {"output_format": "mxfp8"}, "q_head_dim"),  # default q_head_dim 40, an MXFP8 query
     ((64, 2, 32, 32), {"rope_style": "llama"}, "rope_style"),
     ((64, 2, 32, 32), {"precision": "fp8"}, "precision"),
     ((64, 2, 32, 32), {"output_format": "fp8"}, "output_format"),
-    ((64, 2, 32, 32), {"scale_mode": "ceil"}, "scale_mode"),
     ((64, 2, 32, 32), {"backend": "cuda"}, "backend"),
     ((64, 2, 32, 32), {"eps": -1.0}, "eps"),
     ((64, 2, 32, 32), {"rope_theta": 0.0}, "rope_theta"),
@@ -199,7 +199,7 @@ def test_table_layouts_read_in_place(layout, rope):
     """cos/sin reach the kernels as views where they can (a full-width table's first half: row stride R; one row
     broadcast over the tokens: row stride 0; bf16 tables upcast in the kernel) and the query and gradients equal
     those of the same values as contiguous fp32 half tables (the torch backend on the same tables too)."""
-    layer = FusedMLAQUpProjection(K, H, NOPE, rope, columnwise_output=True, device=DEV)
+    layer = FusedMLAQUpProjection(K, H, NOPE, rope, device=DEV, **layer_kwargs(columnwise_output=True))
     T = 37
     x = torch.randn(T, K, device=DEV)
     cos, sin = tables((T,), rope)
@@ -310,7 +310,7 @@ def test_from_modules_rejects():
     with pytest.raises(ValueError):
         FusedMLAQUpProjection.from_modules(norm, nn.Linear(K + 32, H * 64, bias=False), **kw)  # in != norm
     with pytest.raises(ValueError):
-        FusedMLAQUpProjection.from_modules(norm, nn.Linear(K, H * 64 + 32, bias=False), **kw)  # out % H
+        FusedMLAQUpProjection.from_modules(norm, nn.Linear(K, H * 64 + 1, bias=False), **kw)  # out % H
     with pytest.raises(ValueError):
         FusedMLAQUpProjection.from_modules(norm, nn.Linear(K, H * 64, bias=False), q_head_dim=96, **kw)
     with pytest.raises(ValueError):
@@ -503,13 +503,14 @@ def test_cache_follows_optimizer_steps_gpu(precision):
 
 def test_extra_repr_and_state_dict():
     layer = FusedMLAQUpProjection(64, 3, 16, 32, q_head_dim=64, eps=1e-5, zero_centered_gamma=True,
-                                  rope_style="gptj", precision="bf16", output_format="mxfp8", columnwise_output=True,
-                                  scale_mode="floor", rope_scaling={"type": "yarn", "factor": 4,
-                                                                    "original_max_position_embeddings": 64})
+                                  rope_style="gptj", precision="bf16",
+                                  output_format=MXFP8Query(scale_mode="floor", columnwise=True),
+                                  rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 64})
     r = repr(layer)
     for s in ("q_lora_rank=64", "num_heads=3", "qk_head_dim=16", "qk_pos_emb_head_dim=32", "q_head_dim=64",
-              "eps=1e-05", "rope_style=gptj", "precision=bf16", "output_format=mxfp8", "scale_mode=floor",
-              "columnwise_output=True", "zero_centered_gamma=True", "yarn", "backend=auto"):
+              "eps=1e-05", "rope_style=gptj", "precision=BF16()",
+              "output_format=MXFP8Query(scale_mode='floor', columnwise=True)", "zero_centered_gamma=True", "yarn",
+              "backend=auto"):
         assert s in r, f"{s!r} missing from {r}"
     assert set(layer.state_dict()) == {"weight", "norm_weight"}, f"state_dict keys {list(layer.state_dict())}"
     assert layer.weight.shape == (3 * 64, 64) and layer.norm_weight.shape == (64,)

@@ -1,16 +1,17 @@
 """Every constructor option that changes numbers reaches every GEMM precision on both backends.
 
-For each precision ("mxfp8", "bf16", "fp8_block") a base configuration (zero_centered_gamma=False,
-rope_style="deepseek", output_format="mxfp8", columnwise_output=False, scale_mode="rceil", block_scale="pow2")
-and one option changed at a time (not the full product). The Triton kernels (backend="triton": the interpreter on
-the CPU lane) and the PyTorch reference (backend="torch") run the same weights, inputs and upstream gradient;
-tolerances are tests/_tolerances.py's:
+For each precision (`MXFP8()`, `BF16()`, `FP8Block()`) a base configuration (zero_centered_gamma=False,
+rope_style="deepseek", output_format=MXFP8Query(scale_mode="rceil", columnwise=False), the precision's default
+options) and one option changed at a time (not the full product), options given through the objects that carry
+them (mla_qproj.options): the query's and the MXFP8 GEMM inputs' scale rules separately. The Triton kernels
+(backend="triton": the interpreter on the CPU lane) and the PyTorch reference (backend="torch") run the same
+weights, inputs and upstream gradient; tolerances are tests/_tolerances.py's:
 - the quantized weight (a quantizer's output: MXFP8 / bf16 images, fp8_block codes and scale_inv): bytes identical;
 - the query, a GEMM output of the same quantization: >= MIN_CODE_MATCH identical MXFP8 codes and scale bytes
   (MIN_CODE_MATCH_FP8_TC for fp8_block on FP8 tensor cores), decodes and a bf16 query within REL_ERR_SAME_QUANT;
 - dx, dweight, dnorm_weight within REL_ERR_SAME_QUANT.
 So that a backend which drops an option fails, each changed option must also change the reference's numbers against
-the base configuration on the same parameters (columnwise_output adds the columnwise query instead).
+the base configuration on the same parameters (a columnwise query adds the columnwise query instead).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
+from mla_qproj import BF16, MXFP8, BF16Query, FP8Block, FusedMLAQUpProjection, MXFP8Query, MXFP8Tensor
 from mla_qproj.reference.mxfp8 import dequantize_columnwise
 
 from _tolerances import (
@@ -40,22 +41,32 @@ K, H, NOPE = 128, 2, 32  # K % 128 == 0 for fp8_block (SPEC §5)
 ROPE_DIMS = (32, 64)
 S, B = 20, 2  # x [s, b, K]: T = 40 tokens (a partial columnwise block for both 32- and 128-row blocks)
 GRADS = ("dx", "dnorm_weight", "dweight")
-BASE = dict(zero_centered_gamma=False, rope_style="deepseek", output_format="mxfp8", columnwise_output=False,
-            scale_mode="rceil", block_scale="pow2")
-# one option changed from BASE; block_scale applies to fp8_block only (the other precisions ignore it, SPEC §5)
+BASE = dict(zero_centered_gamma=False, rope_style="deepseek")
+PRECISION_TYPES = {"mxfp8": MXFP8, "bf16": BF16, "fp8_block": FP8Block}
+# one option changed from the base: a layer keyword ("layer"), a field of the precision's object ("precision"; its
+# own options only: block_scale is FP8Block's, the inputs' scale_mode MXFP8's), or the query format ("query": the
+# fields of MXFP8Query, or None for BF16Query)
 VARIATIONS = {
     "base": {},
-    "zero_centered_gamma": {"zero_centered_gamma": True},
-    "rope_neox": {"rope_style": "neox"},
-    "rope_gptj": {"rope_style": "gptj"},
-    "output_bf16": {"output_format": "bf16"},
-    "columnwise_output": {"columnwise_output": True},
-    "scale_floor": {"scale_mode": "floor"},
-    "block_scale_fp32": {"block_scale": "fp32"},
-    "block_scale_deepseek": {"block_scale": "deepseek"},
+    "zero_centered_gamma": {"layer": {"zero_centered_gamma": True}},
+    "rope_neox": {"layer": {"rope_style": "neox"}},
+    "rope_gptj": {"layer": {"rope_style": "gptj"}},
+    "output_bf16": {"query": None},
+    "columnwise_output": {"query": {"columnwise": True}},
+    "query_scale_floor": {"query": {"scale_mode": "floor"}},
+    "input_scale_floor": {"precision": {"scale_mode": "floor"}},
+    "block_scale_fp32": {"precision": {"block_scale": "fp32"}},
+    "block_scale_deepseek": {"precision": {"block_scale": "deepseek"}},
 }
 CASES = [(p, v) for p in ("mxfp8", "bf16", "fp8_block") for v in VARIATIONS
-         if not v.startswith("block_scale") or p == "fp8_block"]
+         if not (v.startswith("block_scale") and p != "fp8_block") and not (v == "input_scale_floor" and p != "mxfp8")]
+
+
+def _layer_kwargs(precision: str, options: dict) -> dict:
+    query = options.get("query", {})
+    return {**BASE, **options.get("layer", {}),
+            "precision": PRECISION_TYPES[precision](**options.get("precision", {})),
+            "output_format": BF16Query() if query is None else MXFP8Query(**query)}
 
 
 def _params(R: int):
@@ -78,8 +89,7 @@ def _inputs(R: int):
 
 def _run(R: int, precision: str, options: dict, backend: str):
     """The layer's query, its dense fp32 value, the gradients and the cached prepared weight."""
-    layer = FusedMLAQUpProjection(K, H, NOPE, R, precision=precision, backend=backend, device=DEV,
-                                  **{**BASE, **options})
+    layer = FusedMLAQUpProjection(K, H, NOPE, R, backend=backend, device=DEV, **_layer_kwargs(precision, options))
     layer.load_state_dict(_params(R))
     x, cos, sin, dy = _inputs(R)
     x.requires_grad_()
@@ -104,8 +114,8 @@ def test_option_reaches_precision_on_both_backends(R, precision, variation):
         assert_bytes_equal(wt[name], wr[name], f"{label}: prepared weight {name!r}")
 
     # the query
-    output_format = {**BASE, **options}["output_format"]
-    columnwise = {**BASE, **options}["columnwise_output"]
+    query = _layer_kwargs(precision, options)["output_format"]
+    output_format, columnwise = query.name, getattr(query, "columnwise", False)
     assert type(qt) is type(qr) and qt.shape == qr.shape == (S, B, H, NOPE + R), label
     if output_format == "mxfp8":
         # compiled fp8_block runs on FP8 tensor cores (reduced-precision accumulation inside each 128-block)
@@ -136,6 +146,9 @@ def test_option_reaches_precision_on_both_backends(R, precision, variation):
     assert not torch.equal(dr, db), f"{label}: the option does not change the reference query"
     for k in _grads_it_changes(precision, variation):
         assert not torch.equal(gr[k], gb[k]), f"{label}: the option does not change the reference {k}"
+    if variation == "query_scale_floor":  # the query's scale rule is its own: the GEMM inputs' stay as they were
+        for k in GRADS:
+            assert torch.equal(gr[k], gb[k]), f"{label}: the query's scale rule changed the reference {k}"
 
 
 def _grads_it_changes(precision: str, variation: str) -> tuple[str, ...]:
@@ -145,4 +158,4 @@ def _grads_it_changes(precision: str, variation: str) -> tuple[str, ...]:
         return ("dx", "dweight")
     if variation in ("rope_neox", "rope_gptj", "block_scale_fp32", "block_scale_deepseek"):
         return GRADS
-    return GRADS if variation == "scale_floor" and precision == "mxfp8" else ()  # the MXFP8 GEMM inputs' scales
+    return GRADS if variation == "input_scale_floor" else ()  # the MXFP8 GEMM inputs' scales (the query's: none)

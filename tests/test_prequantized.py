@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from mla_qproj import FusedMLAQUpProjection
+from mla_qproj import FP8Block, FusedMLAQUpProjection
 
 from _helpers import rope_oracle
 from _tolerances import REL_ERR_FP8_BLOCK, REL_ERR_SAME_QUANT, assert_rel_err
@@ -59,7 +59,7 @@ def test_pow2_checkpoint_equals_the_requantized_layer_bit_for_bit(backend):
     pre, _ = _layer(codes, sinv, backend)
     w = _dequant(codes, sinv)
     assert torch.equal(w.bfloat16().double(), w)  # the dequantized weight is exact in bf16
-    ref = FusedMLAQUpProjection(K, H, P, R, precision="fp8_block", output_format="bf16", block_scale="pow2",
+    ref = FusedMLAQUpProjection(K, H, P, R, precision=FP8Block(block_scale="pow2"), output_format="bf16",
                                 backend=backend, device=DEV, dtype=torch.bfloat16)
     with torch.no_grad():
         ref.weight.copy_(w.bfloat16())

@@ -141,8 +141,8 @@ def _cases(T: int):
                                              columnwise=columnwise, scale_mode="rceil", config=config)
 
     def gemm(t, output_format="mxfp8", columnwise=False, style="deepseek"):
-        cfg = QProjConfig.make(K, H, P, R, output_format=output_format, columnwise_output=columnwise,
-                               rope_style=style)
+        cfg = QProjConfig(K, H, P, R, P + R, output_format=output_format, columnwise_output=columnwise,
+                          rope_style=style, precision="mxfp8")
         w = qproj_gemm.prepare_fused_weight(e(N, K, dtype=bf), cfg)
         config = qproj_gemm.default_config(t, CUDA, cfg)
         return lambda: qproj_gemm.qproj_gemm_fwd(x[:t], w, cos[:t], sin[:t], cfg, config=config)

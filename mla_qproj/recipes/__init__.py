@@ -12,6 +12,7 @@ RECIPES: dict[tuple[str, bool], Recipe] = {
                                      FP8BlockReference(), FP8BlockKernels())}
 
 PRECISIONS: tuple[str, ...] = tuple(dict.fromkeys(name for name, _ in RECIPES))
+PRECISION_OPTIONS: dict[str, type] = {r.name: r.option_type for r in RECIPES.values()}
 
 
 def get_recipe(precision: str, kernels: bool = True) -> Recipe:
@@ -19,4 +20,5 @@ def get_recipe(precision: str, kernels: bool = True) -> Recipe:
     return RECIPES[(precision, kernels)]
 
 
-__all__ = ["Kernels", "PreparedWeight", "Recipe", "Reference", "PRECISIONS", "RECIPES", "get_recipe"]
+__all__ = ["Kernels", "PreparedWeight", "Recipe", "Reference", "PRECISIONS", "PRECISION_OPTIONS", "RECIPES",
+           "get_recipe"]

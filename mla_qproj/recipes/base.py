@@ -53,18 +53,15 @@ class Recipe:
     a head group of the backward must be a multiple of (the query gradient's row blocks must not straddle groups).
     `fused_operands`: the operand kind of the fused forward GEMM (`kernels.triton.qproj_gemm`: "bf16" images or
     "fp8_block" codes), which fixes the row order of its weight. `k_block`: q_lora_rank must be a multiple of it (the
-    operands' blocks along K, SPEC §4 and §5; `QProjConfig.make` checks it)."""
+    operands' blocks along K, SPEC §4 and §5; `QProjConfig` checks it)."""
 
     name: ClassVar[str]
+    option_type: ClassVar[type]  # the public object carrying this precision's options (mla_qproj.options)
     kernels: ClassVar[bool]  # True: the GPU kernels (the interpreter on the CPU); False: the PyTorch reference
     col_block: ClassVar[int] = 1
     n_align: ClassVar[int] = 1
     fused_operands: ClassVar[str] = "bf16"
     k_block: ClassVar[int] = MX_BLOCK
-
-    def options(self, cfg: QProjConfig) -> dict:
-        """The config's fields that only this precision reads (shown by the module's repr)."""
-        return {}
 
     def rmsnorm_bwd(self, dxn: torch.Tensor, x2d: torch.Tensor, rsigma: torch.Tensor, norm_weight: torch.Tensor,
                     zero_centered_gamma: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from .._config import QProjConfig
 from .._constants import FP8_BLOCK
 from ..distributed import Parallel, rows_to_cols
 from ..kernels.cute import fp8_gemm as cute_gemm
+from ..options import FP8Block
 from ..reference import fp8_block as ref8
 from ..reference import qproj as ref
 from ._gemm import store
@@ -42,9 +43,7 @@ class _FP8Block:
     n_align = FP8_BLOCK
     fused_operands = "fp8_block"
     k_block = FP8_BLOCK  # 1x128 blocks along K
-
-    def options(self, cfg: QProjConfig) -> dict:
-        return {"block_scale": cfg.block_scale}
+    option_type = FP8Block
 
     @staticmethod
     def _prequantized(w: tuple) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._config import QProjConfig
+from ..options import BF16, MXFP8
 from ..reference import mxfp8 as ref_mx
 from ..reference import qproj as ref
 from ..reference.rope import apply_rope
@@ -125,6 +126,7 @@ class _MXFP8:
     name = "mxfp8"
     col_block = 32
     n_align = 32
+    option_type = MXFP8
 
     # sequence parallelism: the GEMM input is the exact image of xn's rowwise MXFP8; it crosses the ranks as MXFP8
     # (codes and scale bytes: about half the bytes of bf16) and is decoded again. Re-encoding an MXFP8 image with
@@ -204,6 +206,7 @@ class _BF16:
     """precision="bf16": xn rounded once to bf16, W and dy in bf16."""
 
     name = "bf16"
+    option_type = BF16
 
     def _images(self, w, cfg):
         wb = w.to(torch.bfloat16)

@@ -50,11 +50,11 @@ def quantize_output(y: torch.Tensor, cfg: QProjConfig) -> tuple:
     """y [T, H, D] fp32 -> (row data, row scale [T, H, D/32], col data, col scale [ceil(T/32), H, D]) or (bf16,)."""
     if cfg.output_format == "bf16":
         return (y.to(torch.bfloat16),)
-    rd, rs = quantize_rowwise(y, cfg.scale_mode)
+    rd, rs = quantize_rowwise(y, cfg.query_scale_mode)
     cd = cs = None
     if cfg.columnwise_output:
         T, H, D = y.shape
-        cd, cs = quantize_columnwise(y.reshape(T, H * D), cfg.scale_mode)
+        cd, cs = quantize_columnwise(y.reshape(T, H * D), cfg.query_scale_mode)
         cd, cs = cd.reshape(T, H, D), cs.reshape(-1, H, D)
     return rd, rs, cd, cs
 

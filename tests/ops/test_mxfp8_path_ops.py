@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_qproj._config import QProjConfig
 from mla_qproj.kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd
 from mla_qproj.kernels.triton.rope_quant import rope_quant
 from mla_qproj.reference import mxfp8 as RM
 from mla_qproj.reference import qproj as RQ
 from mla_qproj.reference import rope as RR
 
+from _helpers import make_config
 from _tolerances import assert_bytes_equal
 from conftest import DEVICE
 
@@ -34,10 +34,10 @@ def test_custom_ops_opcheck():
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(mxfp8_quantize_2d_op.op, (y, True, True, "rceil"), test_utils=tests)
     for precision in ("mxfp8", "bf16"):
-        cfg = QProjConfig.make(K, H, 16, 32, D, precision=precision).encode()
+        cfg = make_config(K, H, 16, 32, D, precision=precision).encode()
         for colwise in (True, False):
             torch.library.opcheck(rmsnorm_quant_fwd_op.op, (x, w, cfg, colwise), test_utils=tests)
-    cfg = QProjConfig.make(K, H, 16, 32, D).encode()
+    cfg = make_config(K, H, 16, 32, D).encode()
     for mode in ("mxfp8", "mxfp8_images", "bf16", "fp32"):
         args = (y, c, s, cfg, mode == "mxfp8_images", mode, mode != "bf16")
         torch.library.opcheck(rope_quant_op.op, args, test_utils=tests)
@@ -62,7 +62,7 @@ def test_gpu_full_size_kernels():
     assert_bytes_equal(a, RM.dequantize_rowwise(*RM.quantize_rowwise(xn), dtype=torch.bfloat16), "A image")
     y = torch.randn(T, H * D, device="cuda")
     c, s = torch.randn(T, R // 2, device="cuda"), torch.randn(T, R // 2, device="cuda")
-    cfg = QProjConfig.make(K, H, nope, R, D, columnwise_output=True)
+    cfg = make_config(K, H, nope, R, D, columnwise_output=True)
     rd, rsc, cdd, csc = rope_quant(y, c, s, num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R,
                                    rope_style="deepseek", inverse=False, mode="mxfp8", columnwise=True,
                                    scale_mode="rceil")

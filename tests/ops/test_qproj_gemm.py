@@ -19,11 +19,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mla_qproj._config import QProjConfig
 from mla_qproj.reference.mxfp8 import dequantize_columnwise, dequantize_rowwise, quantize_rowwise
 from mla_qproj.reference.qproj import quantize_output
 from mla_qproj.reference.rope import apply_rope
 
+from _helpers import make_config
 from _tolerances import (
     MIN_CODE_MATCH,
     MIN_CODE_MATCH_FP8_TC,
@@ -62,7 +62,7 @@ DEEPSEEK = dict(K=1536, H=128, P=128, R=64, D=192)
 
 
 def _cfg(K, H, P, R, D, style="deepseek", fmt="mxfp8", col=False, scale_mode="rceil"):
-    return QProjConfig.make(K, H, P, R, D, rope_style=style, output_format=fmt, columnwise_output=col,
+    return make_config(K, H, P, R, D, rope_style=style, output_format=fmt, columnwise_output=col,
                             scale_mode=scale_mode)
 
 
@@ -767,7 +767,7 @@ def _check_runs(out: torch.Tensor, v: int) -> int:
 
 def _hint_case(style, fmt, H, P, RH, tail, hb=HALF_N):
     D = P + 2 * RH + tail
-    cfg = QProjConfig.make(64, H, P, 2 * RH, D, rope_style=style, output_format=fmt)
+    cfg = make_config(64, H, P, 2 * RH, D, rope_style=style, output_format=fmt)
     assert fused_gemm_supported(cfg)
     _, out = _column_maps(cfg, hb)
     v = min(_seg(cfg), hb)

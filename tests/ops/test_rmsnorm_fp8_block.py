@@ -19,7 +19,7 @@ from mla_qproj.kernels.triton.rmsnorm_quant import default_config as default_nor
 from mla_qproj.kernels.triton.rmsnorm_quant import rmsnorm_quant_fwd
 from mla_qproj.reference import fp8_block as F
 
-from _helpers import INF, NAN, assert_op_matches, special_matrix
+from _helpers import INF, NAN, assert_op_matches, make_config, special_matrix
 from _tolerances import assert_bytes_equal
 from conftest import DEVICE
 
@@ -159,9 +159,8 @@ def test_rmsnorm_fp8_block_errors():
 def test_rmsnorm_op_registration(zc, block_scale):
     """The op (its schema, fake allocation) and its eager caller give the launcher's bytes for the layer config's
     eps, gamma form and block scale."""
-    from mla_qproj._config import QProjConfig
 
-    cfg = QProjConfig.make(256, 2, 64, 64, eps=1e-5, zero_centered_gamma=zc, precision="fp8_block",
+    cfg = make_config(256, 2, 64, 64, eps=1e-5, zero_centered_gamma=zc, precision="fp8_block",
                            block_scale=block_scale)
     x, w = torch.randn(5, 256, device=DEVICE), torch.randn(256, device=DEVICE)
     for columnwise in (True, False):

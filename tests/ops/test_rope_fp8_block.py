@@ -22,7 +22,7 @@ from mla_qproj.kernels.triton.rope_fp8_block import (
 from mla_qproj.kernels.triton.rope_fp8_block import default_config as default_rope_config
 from mla_qproj.reference import fp8_block as F
 
-from _helpers import INF, assert_op_matches, set_nan
+from _helpers import INF, assert_op_matches, make_config, set_nan
 from _tolerances import assert_bytes_equal
 from conftest import DEVICE, examples
 
@@ -173,7 +173,7 @@ def test_rope_op_registration(style, block_scale):
     geometry, rope style and block scale."""
     dq, c, s = rope_inputs(4, 2, 48, 16, torch.bfloat16, 2)  # finite (opcheck compares outputs with NaN != NaN)
     dq, c, s = dq.to(DEVICE), c.to(DEVICE), s.to(DEVICE)
-    cfg = QProjConfig.make(128, 2, 16, 16, 48, rope_style=style, precision="fp8_block", block_scale=block_scale,
+    cfg = make_config(128, 2, 16, 16, 48, rope_style=style, precision="fp8_block", block_scale=block_scale,
                            output_format="bf16")
     assert_op_matches(rope_fp8_block_bwd_op, (dq, c, s, cfg.encode()),
                       rope_fp8_block_bwd(dq, c, s, num_heads=2, head_dim=48, qk_head_dim=16, rope_dim=16,

@@ -10,13 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from mla_qproj._config import QProjConfig
 from mla_qproj.kernels.triton.rope_quant import RopeQuantConfig, rope_quant
 from mla_qproj.reference import mxfp8 as RM
 from mla_qproj.reference import qproj as RQ
 from mla_qproj.reference import rope as RR
 
-from _helpers import _same_bytes_or_both_nan, bf16_subnormal_heavy
+from _helpers import _same_bytes_or_both_nan, bf16_subnormal_heavy, make_config
 from _tolerances import assert_bytes_equal
 from conftest import DEVICE
 
@@ -39,7 +38,7 @@ def test_rope_quant_forward(style, geom):
     T = 37
     y = torch.randn(T, H * D, device=DEVICE) * 4
     c, s = torch.randn(T, R // 2, device=DEVICE), torch.randn(T, R // 2, device=DEVICE)
-    cfg = QProjConfig.make(32, H, nope, R, D, rope_style=style, columnwise_output=True)
+    cfg = make_config(32, H, nope, R, D, rope_style=style, columnwise_output=True)
     y_ref = RR.apply_rope(y.view(T, H, D), c, s, nope, R, style)
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=False,
               scale_mode="rceil")
@@ -62,7 +61,7 @@ def test_rope_quant_inverse_and_images(style, geom):
     T = 33
     g = torch.randn(T, H * D, device=DEVICE)
     c, s = torch.randn(T, R // 2, device=DEVICE), torch.randn(T, R // 2, device=DEVICE)
-    cfg = QProjConfig.make(32, H, nope, R, D, rope_style=style)
+    cfg = make_config(32, H, nope, R, D, rope_style=style)
     kw = dict(num_heads=H, head_dim=D, qk_head_dim=nope, rope_dim=R, rope_style=style, inverse=True,
               scale_mode="rceil")
     out = rope_quant(g, c, s, mode="fp32", columnwise=False, **kw)[0]

@@ -846,7 +846,7 @@ def qproj_gemm_fwd(a: torch.Tensor, w_prepared: torch.Tensor, cos_h: torch.Tenso
         cs_ptr=cs if cs is not None else y,
         T=T, K=K, H=H, D=D, P=cfg.qk_head_dim, R=R,
         STYLE=cfg.rope_style, PAIRED=_paired(cfg), SEG=_seg(cfg),
-        OUT_FORMAT=cfg.output_format, COLWISE=cfg.columnwise_output, SCALE_MODE=cfg.scale_mode,
+        OUT_FORMAT=cfg.output_format, COLWISE=cfg.columnwise_output, SCALE_MODE=cfg.query_scale_mode,
         NT_PASS=nt_pass, NT_ROPE=nt_rope, HB=HB, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, GROUP_M=config.GROUP_M,
         NUM_SMS=config.NUM_SMS, OPERANDS=operands, ROPE_BCAST=config.ROPE_BCAST,
         EMULATED=_op.emulated(dev), DOT_F32=interp, FLATTEN=config.FLATTEN, SERIAL_LOOP=interp,

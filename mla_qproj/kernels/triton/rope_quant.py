@@ -315,11 +315,12 @@ def rope_quant(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, *, n
 
 def _rope_quant_impl(y2d: torch.Tensor, cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: str, inverse: bool, mode: str,
                      columnwise: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`rope_quant` with the geometry, rope style and scale mode of the layer config cfg (`QProjConfig.encode`)."""
+    """`rope_quant` with the geometry, rope style and scale mode of the layer config cfg (`QProjConfig.encode`): the
+    query's (forward) or the MXFP8 GEMM inputs' (inverse: the query gradient's images)."""
     c = QProjConfig.decode(cfg)
     return rope_quant(y2d, cos_h, sin_h, num_heads=c.num_heads, head_dim=c.q_head_dim, qk_head_dim=c.qk_head_dim,
                       rope_dim=c.rope_dim, rope_style=c.rope_style, inverse=inverse, mode=mode,
-                      columnwise=columnwise, scale_mode=c.scale_mode)
+                      columnwise=columnwise, scale_mode=c.scale_mode if inverse else c.query_scale_mode)
 
 
 def _rope_quant_fake(y2d, cos_h, sin_h, cfg, inverse, mode, columnwise):
