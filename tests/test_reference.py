@@ -373,3 +373,20 @@ def test_dequantize_roundtrip_error():
                 R.dequantize_columnwise(q.columnwise_data, q.columnwise_scale)):
         big = x.abs() > 2.0**-6 * x.abs().max()
         assert ((deq - x).abs()[big] <= x.abs()[big] * 2.0**-4).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_fp8_block_scales_are_correctly_rounded_fp32_divisions(device):
+    """SPEC §5's scale rules are IEEE fp32 divisions (448 / amax, amax / 448) on every device: against the same
+    quotients taken in fp64 and rounded once to fp32 (innocuous for a quotient of two fp32 values: 53 >= 2 * 24 + 2
+    bits). A Python-scalar divisor on CUDA is a multiplication by the rounded reciprocal, one ulp off in places."""
+    g = torch.Generator().manual_seed(5)
+    amax = torch.exp2(torch.empty(1 << 16).uniform_(-100, 100, generator=g)).float().to(device)
+    for rule in ("fp32", "deepseek"):
+        _, sinv = F.fp8_block_scale(amax, rule)
+        if rule == "deepseek":
+            want = (amax.double() / 448.0).float()
+        else:
+            want = (1.0 / (448.0 / amax.double()).float().double()).float()  # scale_inv = fp32(1 / fp32(448 / amax))
+        assert torch.equal(sinv.cpu(), want.cpu()), f"{rule} on {device}: {(sinv != want).sum().item()} differ"

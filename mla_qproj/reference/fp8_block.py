@@ -46,7 +46,9 @@ def fp8_block_scale(amax: torch.Tensor, block_scale: str) -> tuple[torch.Tensor,
     a = amax.float()
     special = (a == 0) | torch.isnan(a) | torch.isinf(a)
     if block_scale == "deepseek":
-        sinv = torch.div(torch.where(special, torch.zeros_like(a), a), E4M3_MAX)  # fp32 / fp32, correctly rounded
+        # fp32 / fp32, correctly rounded: a tensor divisor (CUDA divides by a Python scalar as a multiplication by
+        # its rounded reciprocal, one ulp off in some blocks)
+        sinv = torch.div(torch.where(special, torch.zeros_like(a), a), torch.full_like(a, E4M3_MAX))
         sinv = torch.where(sinv == 0, torch.ones_like(a), sinv)
         return sinv, sinv
     safe = torch.where(special, torch.ones_like(a), a)  # no 448 / 0 or 448 / NaN

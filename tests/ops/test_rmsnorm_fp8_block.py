@@ -128,11 +128,11 @@ def test_rmsnorm_fp8_block_packed(block_k, num_warps):
 
 
 def test_rmsnorm_fp8_block_errors():
-    x, w = torch.randn(4, 256), torch.randn(256)
+    x, w = torch.randn(4, 256, device=DEVICE), torch.randn(256, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of 128"):
         rmsnorm_fp8_block_fwd(x[:, :192], w[:192], 1e-6, False)
     with pytest.raises(ValueError, match="unit inner stride"):
-        rmsnorm_fp8_block_fwd(torch.randn(256, 4).t(), w, 1e-6, False)
+        rmsnorm_fp8_block_fwd(torch.randn(256, 4, device=DEVICE).t(), w, 1e-6, False)
     with pytest.raises(ValueError, match="norm_weight"):
         rmsnorm_fp8_block_fwd(x, w[:128], 1e-6, False)
     with pytest.raises(TypeError, match="x2d"):

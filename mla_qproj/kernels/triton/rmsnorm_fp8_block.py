@@ -227,6 +227,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
     if cfg.packed and tj not in (4, 8, 16):
         raise ValueError(f"config {cfg}: the packed kernel needs 4, 8 or 16 tokens per thread, "
                          f"block_k {cfg.block_k} with {cfg.num_warps} warps gives {tj}")
+    cap = register_cap(cfg.maxnreg)  # checked before any launch
     if no_norm:
         rsigma.fill_(1.0)
     else:
@@ -246,7 +247,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
             T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, TJ=tj, ZERO_CENTERED=bool(zero_centered_gamma),
             BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
             TOKENS_ON_AXIS0=tokens_on_axis0,
-            EMULATED=emulated, num_warps=cfg.num_warps, **register_cap(cfg.maxnreg),
+            EMULATED=emulated, num_warps=cfg.num_warps, **cap,
         )
         return outs
     _rmsnorm_fp8_block_kernel[(n_t, n_k) if tokens_on_axis0 else (n_k, n_t)](
@@ -257,7 +258,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
         T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, ZERO_CENTERED=bool(zero_centered_gamma),
         BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
         TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=_op.emulated(x2d.device), num_warps=cfg.num_warps,
-        **register_cap(cfg.maxnreg),
+        **cap,
     )
     return outs
 
