@@ -13,12 +13,14 @@ Rows per T (all in one process, same inputs):
   cublas_fp8_tensorwise_gemm    torch._scaled_mm, per-tensor scales, bf16 out (the FP8 rate with no block scales)
   cublas_fp8_blockwise_gemm     torch._scaled_mm, 1x128 (x) x 128x128 (W) blocks, bf16 out: the block-FP8 GEMM alone
   cute_fp8_rope_gemm            the CuTe DSL engine's block-FP8 GEMM with the RoPE epilogue alone, same operands
+  cute_bf16_rope_gemm           the CuTe DSL engine's bf16-operand GEMM with the RoPE epilogue alone (bf16 query; the
+  cute_bf16_mxfp8_gemm          mxfp8 / bf16 precisions' forward GEMM), on cublas_bf16_gemm's operands; MXFP8 query
   compiled_unfused_mxfp8        torch.compile(RMSNorm fp32 -> bf16 Linear -> DeepSeek RoPE -> MXFP8 rowwise quant)
   unfused_fp8_block             what a TransformerEngine + Megatron user runs for block FP8: torch.compile(RMSNorm ->
                                 1x128 quantize), cuBLAS blockwise GEMM with bf16 output, then a compiled RoPE in place
                                 on the rope columns only (as Megatron's fused_apply_mla_rope_for_q)
-  ours_*                        FusedMLAQUpProjection forward, one knob changed per variant (*_triton: fp8_block with
-                                the CuTe DSL engine off, MLA_QPROJ_CUTE=0: the Triton kernels)
+  ours_*                        FusedMLAQUpProjection forward, one knob changed per variant (*_triton: the same layer
+                                with the CuTe DSL engine off, MLA_QPROJ_CUTE=0: the Triton kernels)
   ours_*_cudagraph              the same forward replayed from a CUDA graph (no per-call host work: the GPU time)
   compiled_unfused_bf16_fwdbwd  torch.compile(RMSNorm -> bf16 Linear -> DeepSeek RoPE), forward + backward
   unfused_fp8_block_fwdbwd      the block-FP8 trainer's step (TransformerEngine Float8BlockScaling's Linear between a
@@ -94,7 +96,11 @@ VARIANTS = {
     "mxfp8_posids": {},
     "mxfp8_colwise_out": {"output_format": MXFP8Query(columnwise=True)},
     "mxfp8_bf16_out": {"output_format": "bf16"},
+    "mxfp8_triton": {},  # run with MLA_QPROJ_CUTE=0
     "bf16_gemm": {"precision": "bf16"},
+    "bf16_gemm_triton": {"precision": "bf16"},
+    "bf16": {"precision": "bf16", "output_format": "bf16"},  # the layer's defaults
+    "bf16_triton": {"precision": "bf16", "output_format": "bf16"},
     "fp8_block": {"precision": "fp8_block", "output_format": "bf16"},
     "fp8_block_triton": {"precision": "fp8_block", "output_format": "bf16"},  # run with MLA_QPROJ_CUTE=0
     "fp8_block_mxfp8_out": {"precision": "fp8_block", "output_format": "mxfp8"},
@@ -319,14 +325,27 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
     def cute_gemm(c):
         """The CuTe DSL engine's GEMM + RoPE epilogue alone, on the same operands as cublas_fp8_blockwise_gemm."""
         from ._config import QProjConfig
-        from .kernels.cute import fp8_gemm
+        from .kernels.cute import rope_gemm
 
         cfg = QProjConfig(K, H, NOPE, ROPE, D, precision="fp8_block", output_format="bf16")
-        if not fp8_gemm.serves(cfg, c["x"].device):
+        if not rope_gemm.serves(cfg, c["x"].device):
             raise RuntimeError("the CuTe DSL engine does not serve this config here")
         a, sa = quantize_blocks_pow2(c["x"].float(), 1, 128)
         sa_m = sa.t().contiguous()  # [K/128, T]
-        return (lambda: fp8_gemm.rope_gemm_fp8(a, sa_m, c["wq"], c["ws"], c["cos_h"], c["sin_h"], cfg)), []
+        return (lambda: rope_gemm.rope_gemm(a, sa_m, c["wq"], c["ws"], c["cos_h"], c["sin_h"], cfg)), []
+
+    def cute_bf16_gemm(query: str):
+        def build(c):
+            """The CuTe DSL engine's bf16-operand GEMM + RoPE epilogue alone (the mxfp8 / bf16 forward's), bf16 or
+            MXFP8 query, on the operands of cublas_bf16_gemm."""
+            from ._config import QProjConfig
+            from .kernels.cute import rope_gemm
+
+            cfg = QProjConfig(K, H, NOPE, ROPE, D, precision="mxfp8", output_format=query)
+            if not rope_gemm.available(cfg, c["x"].device):
+                raise RuntimeError("the CuTe DSL engine does not serve this config here")
+            return (lambda: rope_gemm.rope_gemm(c["x"], None, c["w"], None, c["cos_h"], c["sin_h"], cfg)), []
+        return build
 
     def unfused_fp8(c):
         T = c["x"].shape[0]
@@ -359,14 +378,20 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         Row("cublas_fp8_tensorwise_gemm", "fwd", None, tensorwise),
         Row("cublas_fp8_blockwise_gemm", "fwd", None, blockwise),
         Row("cute_fp8_rope_gemm", "fwd", None, cute_gemm),
+        Row("cute_bf16_rope_gemm", "fwd", None, cute_bf16_gemm("bf16")),
+        Row("cute_bf16_mxfp8_gemm", "fwd", None, cute_bf16_gemm("mxfp8")),
         Row(mx_peer, "fwd", None, lambda c: ((lambda: c_mx(c["x"], c["g"], c["w"], c["cos_h"], c["sin_h"])), [])),
         Row(fp8_peer, "fwd", None, unfused_fp8),
         Row("ours_mxfp8", "fwd", mx_peer, ours("mxfp8")),
+        Row("ours_mxfp8_triton", "fwd", mx_peer, ours("mxfp8_triton")),
         Row("ours_mxfp8_posids", "fwd", mx_peer, ours("mxfp8_posids")),
         Row("ours_mxfp8_cudagraph", "fwd", mx_peer, ours_graph("mxfp8")),
         Row("ours_mxfp8_colwise_out", "fwd", None, ours("mxfp8_colwise_out")),
         Row("ours_mxfp8_bf16_out", "fwd", None, ours("mxfp8_bf16_out")),
         Row("ours_bf16_gemm", "fwd", mx_peer, ours("bf16_gemm")),
+        Row("ours_bf16_gemm_triton", "fwd", mx_peer, ours("bf16_gemm_triton")),
+        Row("ours_bf16", "fwd", None, ours("bf16")),
+        Row("ours_bf16_triton", "fwd", None, ours("bf16_triton")),
         Row("ours_fp8_block", "fwd", fp8_peer, ours("fp8_block")),
         Row("ours_fp8_block_cudagraph", "fwd", fp8_peer, ours_graph("fp8_block")),
         Row("ours_fp8_block_triton", "fwd", fp8_peer, ours("fp8_block_triton")),
@@ -538,9 +563,9 @@ def _style(name: str) -> dict:
     if not name.startswith("ours"):
         greys = {"cublas_bf16_gemm": "0.1", "cublas_fp8_tensorwise_gemm": "0.3", "cublas_fp8_blockwise_gemm": "0.45",
                  "compiled_unfused_mxfp8": "0.6", "unfused_fp8_block": "0.8", "cute_fp8_rope_gemm": "0.9",
-                 "unfused_fp8_block_fwdbwd": "0.5"}
+                 "unfused_fp8_block_fwdbwd": "0.5", "cute_bf16_rope_gemm": "0.7", "cute_bf16_mxfp8_gemm": "0.35"}
         return {"color": greys.get(name, "0.75"), "hatch": "//" if name.startswith(("compiled", "unfused")) else ""}
-    palette = {"fp8_block": "tab:red", "bf16_gemm": "tab:green", "mxfp8": "tab:blue"}
+    palette = {"fp8_block": "tab:red", "bf16_gemm": "tab:green", "mxfp8": "tab:blue", "bf16": "tab:olive"}
     color = next(c for key, c in palette.items() if key in name)
     # one knob, one hatch
     hatches = {"cudagraph": "..", "posids": "\\\\", "colwise": "oo", "_out": "xx", "triton": "--"}

@@ -498,16 +498,16 @@ def _check_ours(engine, attn, c: dict, fn: Callable, stock_out: torch.Tensor | N
         raise RuntimeError("the fused layer did not run in the timed step")
     rec = {"layer_calls_per_step": len(calls), "layer": f"{type(layer).__name__}(precision={layer.cfg.precision}, "
            f"output_format=bf16, backend={layer.backend})"}
-    if layer.cfg.precision == "fp8_block" and c["x"].is_cuda:
-        try:  # the fp8_block forward GEMM: the CuTe DSL engine's kernel, or the Triton one
-            from .kernels.cute import fp8_gemm
+    if c["x"].is_cuda:
+        try:  # the forward GEMM: the CuTe DSL engine's kernel, or the Triton one
+            from .kernels.cute import rope_gemm
 
-            rec["cute_fp8_gemm"] = bool(fp8_gemm.serves(layer.cfg, c["x"].device))
+            rec["cute_gemm"] = bool(rope_gemm.serves(layer.cfg, c["x"].device))
         except Exception as e:
-            rec["cute_fp8_gemm"] = f"unknown ({bench._err(e)})"
+            rec["cute_gemm"] = f"unknown ({bench._err(e)})"
     if stock_out is not None:
         rec["rel_diff_fwd"] = _rel_diff(engine.forward(attn, c), stock_out)
-    extra = f", CuTe fp8 GEMM: {rec['cute_fp8_gemm']}" if "cute_fp8_gemm" in rec else ""
+    extra = f", CuTe GEMM: {rec['cute_gemm']}" if "cute_gemm" in rec else ""
     print(f"  {engine.name:<10} T={c['T']:<6} check  {rec['layer']}: {len(calls)} layer call(s) per step, rel. diff "
           f"fwd {rec.get('rel_diff_fwd', float('nan')):.2e}{extra}", flush=True)
     return rec

@@ -541,7 +541,7 @@ def test_module_holds_parameters_and_a_weight_cache_only(precision):
     """The module sees its parameters, the RoPE frequencies and a prepared-weight cache, nothing of a kernel's
     layout: the fused GEMM's row order belongs to the kernel recipe, computed once per config and device (a second
     layer of the same config gets the same tensor); the state dict holds the parameters only."""
-    from mla_qproj.kernels.cute import fp8_gemm as cute_gemm
+    from mla_qproj.kernels.cute import rope_gemm as cute_gemm
     from mla_qproj.kernels.triton import qproj_gemm
     from mla_qproj.recipes import get_recipe
 
@@ -556,5 +556,5 @@ def test_module_holds_parameters_and_a_weight_cache_only(precision):
     a, b = (kernels.fused_rows(layer.cfg, x.device) for layer in layers)
     assert a is b and a.device == x.device
     assert torch.equal(a.cpu(), qproj_gemm.fused_row_source(layers[0].cfg, kernels.fused_operands))
-    cute = precision == "fp8_block" and cute_gemm.serves(layers[0].cfg, x.device)  # the CuTe engine: W as it is
+    cute = cute_gemm.serves(layers[0].cfg, x.device)  # the CuTe engine: W as it is
     assert all((layer._wcache.get("fused") is not None) != cute for layer in layers)

@@ -1,12 +1,14 @@
 """Compile the CuTe DSL engine's kernels for sm_90a without a GPU, report their SASS, and optionally export them.
 
-    python tools/build_cute_kernels.py [--geometry K,H,P,R,D,style ...] [--num-sms 132] [--out DIR]
+    python tools/build_cute_kernels.py [--geometry K,H,P,R,D,style[,precision[,query]] ...] [--num-sms 132] [--out DIR]
 
-For each geometry (default: DeepSeek-V3's query, 1536,128,128,64,192,deepseek): compile the fp8_block forward kernel
-(T symbolic), print registers, stack and instruction counts of its SASS (QGMMA, TMA loads and stores, register
+For each geometry (default: DeepSeek-V3's query, 1536,128,128,64,192,deepseek, with FP8 and bf16 operands and a bf16
+and an MXFP8 query: four kernels; precision fp8_block / mxfp8 / bf16, query bf16 / mxfp8 / mxfp8floor name one):
+compile the fused forward kernel (T symbolic), print registers, stack and instruction counts of its SASS (QGMMA and
+HGMMA: FP8 and bf16 WGMMAs, TMA loads and stores, register
 reallocation, local-memory loads and stores: any LDL / STL is a spill; LOOP_LDL_STL counts those in the main loop,
 between the first WGMMA and the last wait on one, where they would cost every K block). With --out, export each
-kernel as a shared object `<key>.so` (the file `mla_qproj.kernels.cute.fp8_gemm` loads from
+kernel as a shared object `<key>.so` (the file `mla_qproj.kernels.cute.rope_gemm` loads from
 `MLA_QPROJ_CUTE_KERNELS=DIR`) and copy the CuTe DSL runtime library beside them, so that a machine with only
 `apache-tvm-ffi` installed can run them.
 
@@ -28,16 +30,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_qproj._config import QProjConfig  # noqa: E402
-from mla_qproj.kernels.cute import fp8_gemm  # noqa: E402
+from mla_qproj.kernels.cute import rope_gemm  # noqa: E402
 
 V3 = "1536,128,128,64,192,deepseek"
+VARIANTS = (("fp8_block", "bf16"), ("fp8_block", "mxfp8"), ("mxfp8", "bf16"), ("mxfp8", "mxfp8"))
+# --preset tests: what the GPU lane asks the engine for (tests/ops/test_cute_rope_gemm.py): DeepSeek-V3 in the three
+# RoPE styles and the small geometries, every variant and the floor scale rule
+TEST_GEOMETRIES = [f"1536,128,128,64,192,{s}" for s in ("deepseek", "neox", "gptj")] + [
+    "256,4,128,64,192,deepseek", "512,8,96,64,192,gptj", "640,4,128,64,192,deepseek", "128,4,128,64,192,neox",
+    "384,4,64,64,128,deepseek", "256,4,48,64,128,deepseek"]
 COUNTED = ("QGMMA", "HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "LDL", "STL", "FFMA", "FMUL", "FADD", "STS", "LDG")
 
 
-def parse_geometry(s: str) -> QProjConfig:
-    K, H, P, R, D, style = s.split(",")
-    return QProjConfig(int(K), int(H), int(P), int(R), int(D), rope_style=style, precision="fp8_block",
-                       output_format="bf16")
+def parse_geometry(s: str) -> list[QProjConfig]:
+    """The configs a --geometry names: K,H,P,R,D,style, then optionally precision and query (else every variant)."""
+    K, H, P, R, D, style, *rest = s.split(",")
+    variants = VARIANTS if not rest else [(rest[0], rest[1] if len(rest) > 1 else "bf16")]
+    cfgs = []
+    for precision, query in variants:
+        fmt = "mxfp8" if query.startswith("mxfp8") else query
+        scale = "floor" if query == "mxfp8floor" else "rceil"
+        cfgs.append(QProjConfig(int(K), int(H), int(P), int(R), int(D), rope_style=style, precision=precision,
+                                output_format=fmt, query_scale_mode=scale))
+    return cfgs
 
 
 def cuobjdump() -> str:
@@ -66,9 +81,9 @@ def sass_report(cubin: bytes) -> dict:
         sass = subprocess.run([exe, "-sass", str(f)], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", res)
     counts = {op: len(re.findall(rf"\b{op}[A-Z0-9._]*", sass)) for op in COUNTED}
-    # the main loop: from the first FP8 WGMMA to the last wait on WGMMAs (local memory there costs every K block)
+    # the main loop: from the first WGMMA to the last wait on WGMMAs (local memory there costs every K block)
     lines = sass.splitlines()
-    mma = [i for i, ln in enumerate(lines) if "QGMMA" in ln or "WARPGROUP.DEPBAR" in ln]
+    mma = [i for i, ln in enumerate(lines) if "GMMA" in ln or "WARPGROUP.DEPBAR" in ln]
     loop = "\n".join(lines[mma[0]:mma[-1] + 1]) if mma else ""
     spills = len(re.findall(r"\b(LDL|STL)\b", loop))
     return {"REG": int(m.group(1)), "STACK": int(m.group(2)), **counts, "LOOP_LDL_STL": spills, "sass": sass}
@@ -76,7 +91,7 @@ def sass_report(cubin: bytes) -> dict:
 
 def compile_one(cfg: QProjConfig, num_sms: int, dump_dir: str):
     """(compiled function, cubin bytes)."""
-    fn = fp8_gemm.compile_kernel(cfg, num_sms, options=f"--keep-cubin --dump-dir={dump_dir}")
+    fn = rope_gemm.compile_kernel(cfg, num_sms, options=f"--keep-cubin --dump-dir={dump_dir}")
     cubin = fn.__cubin__
     if not isinstance(cubin, bytes):
         raise RuntimeError("the compile kept no cubin")
@@ -89,21 +104,22 @@ def export(fn, out: Path, name: str) -> Path:
     from cutlass.cute.runtime import find_runtime_libraries
 
     obj = out / f"{name}.o"
-    fn.export_to_c(str(obj), function_name=fp8_gemm.FUNCTION)
+    fn.export_to_c(str(obj), function_name=rope_gemm.FUNCTION)
     runtime = Path(find_runtime_libraries(enable_tvm_ffi=False)[0])
     tvm_lib = Path(tvm_ffi.__file__).parent / "lib"
     so = out / f"{name}.so"
     subprocess.run([os.environ.get("CXX", "c++"), "-shared", "-o", str(so), str(obj), f"-L{runtime.parent}",
                     "-lcute_dsl_runtime", f"-L{tvm_lib}", "-ltvm_ffi", "-Wl,-rpath,$ORIGIN"], check=True)
     obj.unlink()
-    if not (out / fp8_gemm.RUNTIME_LIB).exists():
-        shutil.copy(runtime, out / fp8_gemm.RUNTIME_LIB)
+    if not (out / rope_gemm.RUNTIME_LIB).exists():
+        shutil.copy(runtime, out / rope_gemm.RUNTIME_LIB)
     return so
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--geometry", nargs="*", default=[V3], help="K,H,P,R,D,style (P = qk_head_dim, R = rope dim)")
+    p.add_argument("--preset", choices=["tests"], help="the GPU lane's configs (instead of --geometry)")
     p.add_argument("--num-sms", type=int, default=132, help="SM count the persistent grid is sized for (H100/H200 SXM)")
     p.add_argument("--out", default="", help="export <key>.so files and the runtime library here")
     p.add_argument("--sass", default="", help="write each kernel's SASS to this folder")
@@ -113,20 +129,22 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     ok = True
     with tempfile.TemporaryDirectory() as dump:
-        for g in args.geometry:
-            cfg = parse_geometry(g)
-            if not fp8_gemm.supported(cfg):
-                print(f"{g}: not a geometry the engine covers")
+        cfgs = [c for g in args.geometry for c in parse_geometry(g)]
+        if args.preset == "tests":
+            cfgs = [c for g in TEST_GEOMETRIES for c in parse_geometry(g) + parse_geometry(g + ",mxfp8,mxfp8floor")]
+        for cfg in cfgs:
+            name = rope_gemm.key(cfg, args.num_sms)
+            if not rope_gemm.supported(cfg):
+                print(f"{name}: not a config the engine covers")
                 ok = False
                 continue
-            name = fp8_gemm.key(cfg, args.num_sms)
             fn, cubin = compile_one(cfg, args.num_sms, dump)
             rep = sass_report(cubin)
             if args.sass:
                 Path(args.sass).mkdir(parents=True, exist_ok=True)
                 (Path(args.sass) / f"{name}.sass").write_text(rep["sass"])
             print(f"{name}: " + " ".join(f"{k}={v}" for k, v in rep.items() if k != "sass"))
-            ok &= rep["QGMMA"] > 0 and rep["LOOP_LDL_STL"] == 0 and rep["USETMAXREG"] >= 2
+            ok &= rep["QGMMA"] + rep["HGMMA"] > 0 and rep["LOOP_LDL_STL"] == 0 and rep["USETMAXREG"] >= 2
             if out:
                 print("  ->", export(fn, out, name))
     return 0 if ok else 1

@@ -19,13 +19,13 @@ import torch
 from .._config import QProjConfig
 from .._constants import FP8_BLOCK
 from ..distributed import Parallel, rows_to_cols
-from ..kernels.cute import fp8_gemm as cute_gemm
+from ..kernels.cute import rope_gemm as cute_gemm
 from ..options import FP8Block
 from ..reference import fp8_block as ref8
 from ..reference import qproj as ref
 from ._gemm import store
 from .base import Kernels, PreparedWeight, Reference
-from .images import query_outputs, reference_query, rope_epilogue
+from .images import cute_query, query_outputs, reference_query, rope_epilogue
 
 
 def cublas_blockwise(device: torch.device, *reductions: int) -> bool:
@@ -125,7 +125,7 @@ class FP8BlockKernels(_FP8Block, Kernels):
         ad, asv = a
         T = ad.shape[0]
         if cute_gemm.serves(cfg, ad.device):  # the warp-specialized CuTe DSL kernel (W in its own order)
-            return cute_gemm.rope_gemm_fp8_op(ad, asv, pw["wq"], pw["ws"], cos_h, sin_h, encoded(cfg)), None, None, None
+            return cute_query(cute_gemm.rope_gemm_op(ad, asv, pw["wq"], pw["ws"], cos_h, sin_h, encoded(cfg)))
         if pw.get("fused") is not None:
             from ..kernels.triton.qproj_gemm import qproj_gemm_fp8_fwd_op
 

@@ -3,7 +3,8 @@
 arithmetic up to the fp32 summation order; Hopper has no MX tensor-core path) and "bf16" (operands rounded once to
 bf16). GEMM map (T tokens, K = q_lora_rank, N = num_heads * q_head_dim):
 
-    forward  y   [T, N] = xn_q(rowwise, along K) @ W_q(rowwise, along K)^T     (fused GEMM + RoPE epilogue on sm_90)
+    forward  y   [T, N] = xn_q(rowwise, along K) @ W_q(rowwise, along K)^T     (fused GEMM + RoPE epilogue on sm_90:
+                                                                                 the CuTe DSL engine, else Triton's)
     dgrad    dxn [T, K] = dy_q(rowwise, along N) @ W_q(columnwise, along N)
     wgrad    dW  [N, K] = dy_q(columnwise, along T)^T @ xn_q(columnwise, along T)
 
@@ -30,6 +31,11 @@ def query_outputs(rd, rs, cd, cs, T: int, cfg: QProjConfig) -> tuple:
         return rd.view(T, H, D), None, None, None
     cols = (cd.view(T, H, D), cs.view(-1, H, D)) if cfg.columnwise_output else (None, None)
     return (rd.view(T, H, D), rs.view(T, H, D // 32), *cols)
+
+
+def cute_query(outs: list) -> tuple:
+    """The CuTe DSL engine's op result ([q] or [codes, scale bytes]) as `forward_gemm`'s 4 entries."""
+    return (outs[0], None, None, None) if len(outs) == 1 else (outs[0], outs[1], None, None)
 
 
 def reference_query(y: torch.Tensor, cos_h, sin_h, cfg: QProjConfig) -> tuple:
@@ -83,9 +89,11 @@ class ImageKernels(_Images, Kernels):
     """The shared kernel part of "mxfp8" and "bf16": bf16-image GEMMs (fused forward on sm_90, cuBLAS elsewhere)."""
 
     def prepare_weight(self, w, cfg, key):
+        from ..kernels.cute import rope_gemm as cute_gemm
+
         fwd, bwd = self._images(w.detach(), cfg)
         tensors = {"bwd": bwd}
-        src = self.fused_rows(cfg, fwd.device)
+        src = None if cute_gemm.serves(cfg, fwd.device) else self.fused_rows(cfg, fwd.device)
         if src is not None:  # the fused GEMM's row order (an exact permutation, zero rows as padding)
             tensors["fused"] = torch.cat([fwd, fwd.new_zeros(1, fwd.shape[1])])[src]
         else:
@@ -93,10 +101,14 @@ class ImageKernels(_Images, Kernels):
         return PreparedWeight(key, tensors)
 
     def forward_gemm(self, a, pw, cos_h, sin_h, cfg):
+        from ..kernels._op import encoded
+        from ..kernels.cute import rope_gemm as cute_gemm
+
         (a,) = a
         T = a.shape[0]
+        if pw.get("fwd") is not None and cute_gemm.serves(cfg, a.device):  # the CuTe DSL kernel (W in its own order)
+            return cute_query(cute_gemm.rope_gemm_op(a, None, pw["fwd"], None, cos_h, sin_h, encoded(cfg)))
         if pw.get("fused") is not None:
-            from ..kernels._op import encoded
             from ..kernels.triton.qproj_gemm import qproj_gemm_fwd_op
 
             outs = qproj_gemm_fwd_op(a, pw["fused"], cos_h, sin_h, encoded(cfg))

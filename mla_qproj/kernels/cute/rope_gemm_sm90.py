@@ -1,4 +1,6 @@
-"""The fp8_block forward GEMM for sm_90a, written in CuTe DSL: y = RoPE(A · Wᵀ) with a bf16 query (SPEC §1.3-1.4, §5).
+"""The fused forward GEMM for sm_90a, written in CuTe DSL: q = RoPE(A · Wᵀ) (SPEC §1.3-1.5, §5), with block-scaled FP8
+operands (precision "fp8_block") or bf16 ones (the exact images of "mxfp8", or "bf16"), and a bf16 or a rowwise MXFP8
+query.
 
 # %% Design
 A warp-specialized persistent kernel of three warpgroups per CTA:
@@ -30,7 +32,20 @@ P + R/2 + i: quad shuffles bring each lane the pairs of its words), then a TMA s
 one buffer (the room the RoPE tables take). Rows past T are clipped by TMA. The warpgroups
 never wait for each other outside the K-block ring.
 
-The kernel is compiled per geometry (K, H, D, P, R, RoPE style) with T symbolic: one binary serves every T.
+bf16 operands (A [T, K], W [N, K], both bf16; the MXFP8 images are exact in bf16): 64-wide K tiles (128-byte rows),
+the WGMMAs (m64nDk16) accumulate straight into the fp32 accumulator (no promotion, no scales), one K tile's group kept
+in flight while the next is issued (its stage released once the group after it is issued); everything else as above.
+
+MXFP8 query (rowwise 32-blocks along each head's D, SPEC §1.5 and §2): after the rotation each thread holds, per row,
+8 values of every 32-column block of the output (pass-through and neox / gptj columns 8j + 2q + {0, 1}; deepseek's a'
+and b' of pair 4t + q at P + 4t + q and P + R/2 + 4t + q), so a block's amax is the thread's over its 8 and two quad
+shuffles; the E8M0 byte and the codes follow SPEC §2 with the GPU's instructions (max.f32 ignores NaN; the E4M3
+conversion rounds to nearest even and saturates; NaN becomes +NaN, as in the Triton kernels' GEMM epilogue). Codes go
+to the warpgroup's [64, D]-byte tile (two adjacent columns as one 16-bit word; deepseek's a' and b' as bytes), then one
+TMA store; scale bytes are stored from registers (D/32 a row).
+
+The kernel is compiled per geometry (K, H, D, P, R, RoPE style), operand kind and query format, with T symbolic: one
+binary serves every T.
 """
 
 from __future__ import annotations
@@ -83,6 +98,41 @@ def _bf16x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> c
 
 
 @dsl_user_op
+def _e4m3x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """(e4m3(lo), e4m3(hi)) rounded to nearest even and saturated to ±448 (NaN: +NaN), lo in the low byte of a 16-bit
+    value (zero-extended)."""
+    return _asm(I32, ((F32, hi), (F32, lo)),
+                "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }", "=r,f,f", loc, ip)
+
+
+@dsl_user_op
+def _absmax(m: cutlass.Float32, v: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """max(m, |v|) ignoring NaN (max.f32 returns the other operand when one is NaN)."""
+    return _asm(F32, ((F32, m), (F32, v)), "{ .reg .f32 t; abs.f32 t, $2; max.f32 $0, $1, t; }", "=f,f,f", loc, ip)
+
+
+@dsl_user_op
+def _abs(v: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    return _asm(F32, ((F32, v),), "abs.f32 $0, $1;", "=f,f", loc, ip)
+
+
+@dsl_user_op
+def _fmax(a: cutlass.Float32, b: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Float32:
+    """max(a, b) ignoring NaN."""
+    return _asm(F32, ((F32, a), (F32, b)), "max.f32 $0, $1, $2;", "=f,f,f", loc, ip)
+
+
+@dsl_user_op
+def _f32_bits(a: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    return _asm(I32, ((F32, a),), "mov.b32 $0, $1;", "=r,f", loc, ip)
+
+
+@dsl_user_op
+def _bits_f32(a: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
+    return _asm(F32, ((I32, a),), "mov.b32 $0, $1;", "=f,r", loc, ip)
+
+
+@dsl_user_op
 def _prmt(a: cutlass.Int32, b: cutlass.Int32, sel: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
     """The bytes of (b, a) picked by sel (prmt.b32): 0x5410 = (a's low half, b's low half), 0x7632 = (a's high
     half, b's high half), the first in the low half."""
@@ -95,14 +145,28 @@ def _select(c, a: cutlass.Int32, b: cutlass.Int32, *, loc=None, ip=None) -> cutl
     return cutlass.Int32(cutlass.select_(c, a, b))
 
 
-class Fp8BlockRopeGemmSm90:
-    """y [T, H·D] bf16 = RoPE(blockwise A · Wᵀ), one [128, D] tile per (128 tokens, head)."""
+OPERANDS = ("fp8_block", "bf16")  # E4M3 codes with block scales, or bf16 (the MXFP8 images, or bf16 itself)
+OUTPUTS = ("bf16", "mxfp8")  # the query: bf16, or MXFP8 rowwise (codes + E8M0 bytes)
+BF16_BK = 64  # K tile of bf16 operands: 128-byte rows (the 128-byte swizzle)
+
+
+class RopeGemmSm90:
+    """q [T, H·D] = RoPE(A · Wᵀ), one [128, D] tile per (128 tokens, head); operands "fp8_block" (blockwise scaled
+    E4M3 codes) or "bf16"; query "bf16" or "mxfp8" (rowwise, `scale_mode` "rceil" or "floor")."""
 
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
+                 operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
                  split: bool = False):
-        if K % BLOCK or D % 8 or D > 256 or R % 2 or P + R > D:
+        if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
+            raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
+        self.fp8 = operands == "fp8_block"
+        self.mx = out == "mxfp8"
+        self.scale_mode = scale_mode
+        if (K % BLOCK if self.fp8 else K % 8) or D % 8 or D > 256 or R % 2 or P + R > D:
             raise ValueError(f"unsupported geometry K={K} D={D} P={P} R={R}")
+        if self.mx and D % 32:
+            raise ValueError(f"an MXFP8 query needs D % 32 == 0, got D={D}")
         if style not in ("deepseek", "neox", "gptj") or (style == "neox" and (R // 2) % 8):
             raise ValueError(f"unsupported rope style {style!r} for R={R}")
         if P % 8 or R % 16:
@@ -114,25 +178,26 @@ class Fp8BlockRopeGemmSm90:
         self.num_sms = num_sms
         self.swizzle = swizzle
         self.raster_along_m = raster_along_m
-        self.bm, self.bn, self.bk = 2 * ROWS_PER_WG, D, BLOCK
+        self.bm, self.bn, self.bk = 2 * ROWS_PER_WG, D, BLOCK if self.fp8 else BF16_BK
         # the heads' phases against W's 128-row scale blocks (head n starts (n·D) % 128 rows into one): with a few,
         # the promotion is compiled once per phase, with each column group's scale known (V3: D = 192, phases 0, 64)
         phases = sorted({(n * D) % BLOCK for n in range(H)})
         self.phases = phases if len(phases) <= max_phases else None
-        # one K block's WGMMAs cover the whole head (m64nD, a D/2-register block buffer beside the D/2-register
+        # fp8: one K block's WGMMAs cover the whole head (m64nD, a D/2-register block buffer beside the D/2-register
         # accumulator: 192 of 240 at D = 192), one wait per block; split: two m64n(D/2) sub-tiles through a buffer half
         # that size, two waits per block (3 % slower at V3; taken where the select form of the promotion needs the
-        # registers)
-        self.k_tiles = K // BLOCK
-        self.parts = 2 if (split or self.phases is None) and D > 128 and D % 16 == 0 else 1
+        # registers). bf16: the WGMMAs accumulate in place (one part); a partial last K tile is zero-filled by TMA
+        self.k_tiles = -(-K // self.bk)
+        self.parts = 2 if self.fp8 and (split or self.phases is None) and D > 128 and D % 16 == 0 else 1
         self.sub = D // self.parts
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
         self.cluster_m = cluster_m
-        # the epilogue tile of a consumer warpgroup: [64, D/2] written and stored twice (shared memory for the RoPE
-        # tables' rows, which arrive by TMA during the main loop), or [64, D] where D/2 is not a multiple of 8
-        self.epi_halves = D % 16 == 0
-        self.epi_w = D // 2 if self.epi_halves else D
+        # the epilogue tile of a consumer warpgroup: bf16 query, [64, D/2] written and stored twice (shared memory for
+        # the RoPE tables' rows, which arrive by TMA during the main loop), or [64, D] where D/2 is not a multiple of 8;
+        # MXFP8 query, the [64, D] bytes of its codes once, seen as [64, D/2] 16-bit words (the same layout)
+        self.epi_halves = D % 16 == 0 and not self.mx
+        self.epi_w = D // 2 if (self.epi_halves or self.mx) else D
         # the second half goes through the room of the warpgroup's RoPE tables (read into registers by then), so
         # that it need not wait for the first half's store to read the buffer; the next tile's tables are loaded
         # under its first K block's WGMMAs, once both stores have read their rooms
@@ -141,13 +206,14 @@ class Fp8BlockRopeGemmSm90:
         self.span = (BLOCK - 8 + D + BLOCK - 1) // BLOCK  # W blocks one head can touch (at most)
         self.threads = 3 * 128
         self.producer_regs, self.consumer_regs = 24, 240
-        self.a_dtype = self.b_dtype = cutlass.Float8E4M3FN
-        self.y_dtype = cutlass.BFloat16
-        a_stage_bytes = self.bm * self.bk
-        b_stage_bytes = self.bn * self.bk
+        self.a_dtype = self.b_dtype = cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16
+        self.y_dtype = cutlass.BFloat16  # (the MXFP8 codes travel as byte pairs)
+        elem = 1 if self.fp8 else 2
+        a_stage_bytes = self.bm * self.bk * elem
+        b_stage_bytes = self.bn * self.bk * elem
         epi_bytes = 2 * ROWS_PER_WG * self.epi_w * 2
-        # W's scales of one tile (span blocks x K blocks), staged in shared memory one tile ahead
-        self.n_sw = self.span * self.k_tiles
+        # fp8: W's scales of one tile (span blocks x K blocks), staged in shared memory one tile ahead
+        self.n_sw = self.span * self.k_tiles if self.fp8 else 1
         self.sw_per_thread = -(-self.n_sw // 128)
         epi_bytes += 2 * 2 * ROWS_PER_WG * self.RH * 4 + 1024 + 2 * 2 * self.n_sw * 4 + 64
         self.stages = min(8, (SMEM_BYTES - epi_bytes - 2048) // (a_stage_bytes + b_stage_bytes))
@@ -158,9 +224,11 @@ class Fp8BlockRopeGemmSm90:
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mCos: cute.Tensor,
-                 mSin: cute.Tensor, mY: cute.Tensor, stream: cuda.CUstream):
-        """mA [T, K] e4m3 codes, mB [N, K] e4m3 codes (nn.Linear order), mSA [K/128, T] f32 scale_inv (M-major),
-        mSW [ceil(N/128), K/128] f32 scale_inv, mCos / mSin [T, R/2] f32, mY [T, N] bf16 (written)."""
+                 mSin: cute.Tensor, mY: cute.Tensor, mS: cute.Tensor, stream: cuda.CUstream):
+        """mA [T, K], mB [N, K] (nn.Linear order): e4m3 codes, or bf16; fp8: mSA [K/128, T] f32 scale_inv (M-major),
+        mSW [ceil(N/128), K/128] f32 scale_inv (bf16 operands: placeholders, not read); mCos / mSin [T, R/2] f32;
+        written: mY [T, N] bf16, or the MXFP8 codes seen as bf16 [T, N/2] with mS [T, N/32] uint8 their E8M0 bytes
+        (a bf16 query: mS a placeholder)."""
         a_layout = utils.LayoutEnum.ROW_MAJOR  # K-major
         b_layout = utils.LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -205,7 +273,7 @@ class Fp8BlockRopeGemmSm90:
             sSW: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * self.n_sw], 16]
 
         self.storage = Storage
-        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, tma_cos, tCos, tma_sin, tSin, mSA, mSW,
+        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, tma_cos, tCos, tma_sin, tSin, mSA, mSW, mS,
                     a_smem, b_smem, y_smem, tab_smem, sched).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream)
 
@@ -214,7 +282,7 @@ class Fp8BlockRopeGemmSm90:
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, tma_y: cute.CopyAtom, mY: cute.Tensor, tma_cos: cute.CopyAtom, mCosT: cute.Tensor,
-               tma_sin: cute.CopyAtom, mSinT: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor,
+               tma_sin: cute.CopyAtom, mSinT: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mS: cute.Tensor,
                a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
                y_smem: cute.ComposedLayout, tab_smem: cute.ComposedLayout,
                sched: utils.PersistentTileSchedulerParams):
@@ -299,7 +367,9 @@ class Fp8BlockRopeGemmSm90:
             tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB_parts[(None, None, p, 0, None)]))
                     for p in range(self.parts)]
             acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
-            blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32)
+            # fp8: one K block's product before its promotion
+            blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32) \
+                if self.fp8 else None
             k_blocks = cute.size(tCrA, mode=[2])
 
             lane = tidx % 32
@@ -309,6 +379,10 @@ class Fp8BlockRopeGemmSm90:
             T = mA.shape[0]
             store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
             sYc = sYw[(None, None, c)]  # [64, epi_w / 2] words
+            # the MXFP8 codes' tile: [64, D] bytes, as 16-bit words of two adjacent columns and as bytes
+            sQh = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner, dtype=cutlass.Int16)[(None, None, c)]
+            sQb = st.sY.get_tensor(cute.recast_layout(8, 16, y_smem.outer), swizzle=y_smem.inner,
+                                   dtype=cutlass.Uint8)[(None, None, c)]
             # the second output half's buffer: this warpgroup's table stages (cos, sin: 2 x 64 x R/2 fp32), laid out
             # as an epilogue stage (the first of the layout's two)
             room = st.sTab.data_ptr() + 2 * c * ROWS_PER_WG * self.RH
@@ -333,59 +407,84 @@ class Fp8BlockRopeGemmSm90:
                                                                                 (None, 0)), 0, 2))
             sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
             t128 = ct % 128
-            if work.is_valid_tile:  # the first tile's W scales
-                self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
-                self._store_sw(sw_next, sSW, 0, c, t128)
+            if cutlass.const_expr(self.fp8):
+                if work.is_valid_tile:  # the first tile's W scales
+                    self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
+                    self._store_sw(sw_next, sSW, 0, c, t128)
+            else:
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # into acc, zeroed per tile
+                rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # next to release
             store_bar.arrive_and_wait()
             tcount = cutlass.Int32(0)
             while work.is_valid_tile:
                 m, n = work.tile_idx[0], work.tile_idx[1]
                 buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
-                nwork = ahead.get_current_work()
-                if nwork.is_valid_tile:
-                    self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
-                r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
-                r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
-                col0 = n * self.D  # first column of the head in W / y
-                b0 = col0 // BLOCK
                 acc.fill(0.0)
-                # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
-                nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
-                cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
                 tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
-                nxt[0] = mSA[(0, r0)]
-                nxt[1] = mSA[(0, r1)]
-                blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
-                          col0 - b0 * BLOCK)
                 # K block 0 peeled: under its WGMMAs this warpgroup's 64 rows of cos and sin are requested (in flight
                 # during the main loop); their room held the previous tile's second output half, whose store must
                 # have read it by then
-                state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, functools.partial(
-                    self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin, tTgS, tTsS, m, c))
-                for k in cutlass.range(1, self.k_tiles, unroll=1):
-                    # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
-                    state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
+                tables = functools.partial(self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin,
+                                           tTgS, tTsS, m, c)
+                if cutlass.const_expr(self.fp8):
+                    nwork = ahead.get_current_work()
+                    if nwork.is_valid_tile:
+                        self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
+                    r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
+                    r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
+                    col0 = n * self.D  # first column of the head in W / y
+                    b0 = col0 // BLOCK
+                    # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
+                    nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
+                    nxt[0] = mSA[(0, r0)]
+                    nxt[1] = mSA[(0, r1)]
+                    blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
+                              col0 - b0 * BLOCK)
+                    state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
+                    for k in cutlass.range(1, self.k_tiles, unroll=1):
+                        # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
+                        state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
+                    self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
+                else:
+                    ops = (ring, acc, tCrA, tCrB, k_blocks)
+                    state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, True, tables)
+                    for k in cutlass.range(1, self.k_tiles, unroll=1):
+                        state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, False)
+                    warpgroup.wait_group(0)
+                    ring.consumer_release(rel)
+                    rel.advance()
 
                 # -------------------------------------------------------------------------------- epilogue
-                self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
                 cute.arch.mbarrier_wait(tab_bar, buf)
                 self._read_tables(tab, sTab, row_lo - ROWS_PER_WG * c, q, c)
-                halves = 2 if self.epi_halves else 1
-                for h in cutlass.range_constexpr(halves):
-                    in_tables = self.epi_in_tables and h == 1
-                    if cutlass.const_expr(not in_tables):
-                        if ct % 128 == 0:  # the previous store from sY has read it
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    store_bar.arrive_and_wait()  # (and, for the second half, every thread has read the tables)
-                    self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c, q,
-                                     h * self.epi_w)
-                    # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
+                if cutlass.const_expr(self.mx):
+                    if ct % 128 == 0:  # the previous store from sY has read it
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    store_bar.arrive_and_wait()
+                    self._mx_store(acc, sQh, sQb, tab, row_lo - ROWS_PER_WG * c, q, mS, m * self.bm + row_lo, n, T)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     store_bar.arrive_and_wait()
                     if ct % 128 == 0:
-                        cute.copy(tma_y, tYsY2[(None, 0)] if in_tables else tYsY[(None, c)],
-                                  tYgY[(None, 2 * m + c, halves * n + h)])
+                        cute.copy(tma_y, tYsY[(None, c)], tYgY[(None, 2 * m + c, n)])
                         cute.arch.cp_async_bulk_commit_group()
+                else:
+                    halves = 2 if self.epi_halves else 1
+                    for h in cutlass.range_constexpr(halves):
+                        in_tables = self.epi_in_tables and h == 1
+                        if cutlass.const_expr(not in_tables):
+                            if ct % 128 == 0:  # the previous store from sY has read it
+                                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        store_bar.arrive_and_wait()  # (and, for the second half, every thread has read the tables)
+                        self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c, q,
+                                         h * self.epi_w)
+                        # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
+                        cute.arch.fence_proxy("async.shared", space="cta")
+                        store_bar.arrive_and_wait()
+                        if ct % 128 == 0:
+                            cute.copy(tma_y, tYsY2[(None, 0)] if in_tables else tYsY[(None, c)],
+                                      tYgY[(None, 2 * m + c, halves * n + h)])
+                            cute.arch.cp_async_bulk_commit_group()
                 tiles.advance_to_next_work()
                 work = tiles.get_current_work()
                 ahead.advance_to_next_work()
@@ -419,6 +518,26 @@ class Fp8BlockRopeGemmSm90:
             self._promote(acc, blk, cur, off, part)
         state.advance()
         return state, tiled_mma
+
+    def _k_tile(self, state, rel, tiled_mma, ops, first: bool, under_first=None):
+        """bf16 operands: the K tile at ring position `state` (plain Python, traced inline): its WGMMAs accumulate into
+        acc as one group (then `under_first`, for the tile's first); except for the first, the group before it is
+        waited for and its stage (`rel`) released, so one group is in flight while the next is issued. Returns the
+        advanced states and the MMA."""
+        ring, acc, tCrA, tCrB, k_blocks = ops
+        ring.consumer_wait(state)
+        warpgroup.fence()
+        for kb in range(k_blocks):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, state.index)], tCrB[0][(None, None, kb, state.index)], acc)
+        warpgroup.commit_group()
+        if under_first is not None:
+            under_first()
+        if not first:
+            warpgroup.wait_group(1)
+            ring.consumer_release(rel)
+            rel.advance()
+        state.advance()
+        return state, rel, tiled_mma
 
     @cute.jit
     def _load_tables(self, w_in_wg, lane, tab_bar, tma_cos: cute.CopyAtom, tTgC: cute.Tensor, tTsC: cute.Tensor,
@@ -602,3 +721,98 @@ class Fp8BlockRopeGemmSm90:
                         rbs.append(_mul_rn(b, cs) + _mul_rn(a, sn))
                     put2(row, col, ras[0], ras[1])
                     put2(row, col + RH, rbs[0], rbs[1])
+
+    # ------------------------------------------------------------------------------------------ MXFP8 query
+
+    def _e8m0(self, m):
+        """(E8M0 byte, the codes' multiplier r) of a block's amax m (SPEC §2; plain Python on DSL values): rceil, the
+        biased exponent of v = m · fp32(1/448) rounded up; floor, clamp(exponent(m) - 8, 0, 254); 0xFE for inf, 0xFF
+        for NaN. r = 2^(127 - byte) (the subnormal 2^-127 for 254 and 255), and 1 for rceil's byte 0."""
+        rceil = self.scale_mode == "rceil"
+        bits = _f32_bits(_mul_rn(m, F32(1.0 / 448.0)) if rceil else m)
+        exp = (bits >> 23) & 0xFF
+        mant = bits & 0x7FFFFF
+        if rceil:
+            up = cutlass.select_(mant != 0, I32(1), I32(0))
+            up = cutlass.select_(exp == 0xFE, I32(0), up)
+            up = cutlass.select_(exp == 0, cutlass.select_(mant > 0x400000, up, I32(0)), up)
+            byte = exp + up
+        else:
+            byte = cutlass.min(cutlass.max(exp - 8, I32(0)), I32(0xFE))
+        byte = cutlass.select_(exp == 0xFF, cutlass.select_(mant == 0, I32(0xFE), I32(0xFF)), byte)
+        r_bits = cutlass.select_(byte >= 254, I32(0x400000), (254 - cutlass.min(byte, I32(253))) << 23)
+        r = _bits_f32(I32(r_bits))
+        if rceil:
+            r = cutlass.select_(byte == 0, F32(1.0), r)
+        return I32(byte), F32(r)
+
+    @cute.jit
+    def _mx_store(self, acc: cute.Tensor, sQh: cute.Tensor, sQb: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
+                  q: cutlass.Int32, mS: cute.Tensor, grow: cutlass.Int32, n: cutlass.Int32, T: cutlass.Int32):
+        """The rotated accumulator as MXFP8 rowwise (32-blocks along the head): codes into the warpgroup's [64, D]-byte
+        tile (sQh: its 16-bit words, sQb: its bytes), E8M0 bytes to mS[grow (+8), n·D/32 + b] for rows < T. Per row
+        every 32-column output block holds 8 of this thread's values (4 lanes of a quad hold the block), so its amax
+        is the thread's, then two quad shuffles."""
+        P, RH, nt, nblk = self.P, self.RH, self.R // 8, self.D // 32
+        for r2 in cutlass.range_constexpr(2):
+            row = lrow + 8 * r2
+            # ("w", col, v0, v1): output columns col + 2q, col + 2q + 1; ("b", ca, cb, va, vb): deepseek's a' at ca + q
+            # and b' at cb + q (one pair, two blocks)
+            words = []
+            for j in cutlass.range_constexpr(self.D // 8):
+                col = 8 * j
+                i0 = 4 * j + 2 * r2
+                if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
+                    words.append(("w", col, acc[i0], acc[i0 + 1]))
+                elif cutlass.const_expr(self.style != "neox"):
+                    t = (col - P) // 8
+                    a, b = acc[i0], acc[i0 + 1]
+                    cs, sn = tab[r2 * nt + t], tab[2 * nt + r2 * nt + t]
+                    ra = _mul_rn(a, cs) - _mul_rn(b, sn)
+                    rb = _mul_rn(b, cs) + _mul_rn(a, sn)
+                    if cutlass.const_expr(self.style == "deepseek"):
+                        words.append(("b", P + 4 * t, P + RH + 4 * t, ra, rb))
+                    else:
+                        words.append(("w", col, ra, rb))
+                elif cutlass.const_expr(col < P + RH):  # neox: pair (i, i + R/2)
+                    ras = []
+                    rbs = []
+                    for c2 in cutlass.range_constexpr(2):
+                        t = 2 * ((col - P) // 8) + c2
+                        cs, sn = tab[r2 * nt + t], tab[2 * nt + r2 * nt + t]
+                        a = acc[i0 + c2]
+                        b = acc[i0 + c2 + 4 * (RH // 8)]
+                        ras.append(_mul_rn(a, cs) - _mul_rn(b, sn))
+                        rbs.append(_mul_rn(b, cs) + _mul_rn(a, sn))
+                    words.append(("w", col, ras[0], ras[1]))
+                    words.append(("w", col + RH, rbs[0], rbs[1]))
+            # every block's amax (the thread's 8 values, then the quad's)
+            amax = [None] * nblk
+            for i in cutlass.range_constexpr(len(words)):
+                w = words[i]
+                for e in cutlass.range_constexpr(2):
+                    blk_of = w[1] // 32 if cutlass.const_expr(w[0] == "w") else w[1 + e] // 32
+                    v = w[2 + e] if cutlass.const_expr(w[0] == "w") else w[3 + e]
+                    if cutlass.const_expr(amax[blk_of] is None):
+                        amax[blk_of] = _abs(v)
+                    else:
+                        amax[blk_of] = _absmax(amax[blk_of], v)
+            rs = []
+            for b in cutlass.range_constexpr(nblk):
+                mb = amax[b]
+                mb = _fmax(mb, cute.arch.shuffle_sync_bfly(mb, 1))
+                mb = _fmax(mb, cute.arch.shuffle_sync_bfly(mb, 2))
+                byte, r = self._e8m0(mb)
+                rs.append(r)
+                if q == b % 4:
+                    if grow + 8 * r2 < T:
+                        mS[(grow + 8 * r2, n * nblk + b)] = cutlass.Uint8(byte)
+            for i in cutlass.range_constexpr(len(words)):
+                w = words[i]
+                if cutlass.const_expr(w[0] == "w"):
+                    r = rs[w[1] // 32]
+                    sQh[(row, w[1] // 2 + q)] = cutlass.Int16(_e4m3x2(_mul_rn(w[2], r), _mul_rn(w[3], r)))
+                else:
+                    code = _e4m3x2(_mul_rn(w[3], rs[w[1] // 32]), _mul_rn(w[4], rs[w[2] // 32]))
+                    sQb[(row, w[1] + q)] = cutlass.Uint8(code)
+                    sQb[(row, w[2] + q)] = cutlass.Uint8(code >> 8)
