@@ -91,17 +91,10 @@ def _say_once(msg: str) -> None:
         log.warning(msg)
 
 
-def preferred(cfg: QProjConfig) -> bool:
-    """Where the engine is the faster of the two kernels for a config it covers. bf16 operands with an MXFP8 query stay
-    on the Triton kernel: the engine's MXFP8 epilogue, run after each tile's main loop, made that forward slower on
-    the H200 (BENCHMARKS.md, 2026-12-04: 1.22 / 1.11 of a cuBLAS bf16 GEMM at T = 16384 / 65536 against the Triton
-    kernel's 1.09 / 1.06), while with FP8 operands it is 1.6x faster than the Triton kernel."""
-    return not (operands(cfg) == "bf16" and cfg.output_format == "mxfp8")
-
-
 def serves(cfg: QProjConfig, device: torch.device) -> bool:
-    """The engine runs this config's forward on this device: `preferred`, and `available`."""
-    return preferred(cfg) and available(cfg, device)
+    """The engine runs this config's forward on this device (`available`). It is the faster kernel wherever it can
+    run (BENCHMARKS.md: every operand kind and query against the Triton kernel on the H200)."""
+    return available(cfg, device)
 
 
 def available(cfg: QProjConfig, device: torch.device) -> bool:

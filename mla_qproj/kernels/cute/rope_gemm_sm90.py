@@ -34,7 +34,11 @@ never wait for each other outside the K-block ring.
 
 bf16 operands (A [T, K], W [N, K], both bf16; the MXFP8 images are exact in bf16): 64-wide K tiles (128-byte rows),
 the WGMMAs (m64nDk16) accumulate straight into the fp32 accumulator (no promotion, no scales), one K tile's group kept
-in flight while the next is issued (its stage released once the group after it is issued); everything else as above.
+in flight while the next is issued (its stage released once the group after it is issued). With no block buffer to
+keep, a warpgroup can hold a whole [128, D] tile (D registers a thread), so the two consumer warpgroups run in
+ping-pong (`_pingpong`): each owns every other tile of the CTA, their main loops take turns on the tensor cores and
+each one's epilogue runs under the other's main loop (the epilogue then reads its RoPE table rows from L2 instead of
+staging them).
 
 MXFP8 query (rowwise 32-blocks along each head's D, SPEC §1.5 and §2): after the rotation each thread holds, per row,
 8 values of every 32-column block of the output (pass-through and neox / gptj columns 8j + 2q + {0, 1}; deepseek's a'
@@ -157,7 +161,7 @@ class RopeGemmSm90:
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
-                 split: bool = False):
+                 split: bool = False, pingpong: bool | None = None):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -188,6 +192,13 @@ class RopeGemmSm90:
         # that size, two waits per block (3 % slower at V3; taken where the select form of the promotion needs the
         # registers). bf16: the WGMMAs accumulate in place (one part); a partial last K tile is zero-filled by TMA
         self.k_tiles = -(-K // self.bk)
+        # bf16 operands: ping-pong (each consumer warpgroup owns whole [128, D] tiles, every other one of the CTA's, so
+        # that one's epilogue runs under the other's main loop: the accumulator is 128·D/128 = D registers a thread,
+        # which the fp8 promotion's block buffer beside it would not leave room for); else cooperative (both
+        # warpgroups on one tile, 64 rows each)
+        self.pingpong = (not self.fp8) if pingpong is None else pingpong
+        if self.pingpong and self.fp8:
+            raise ValueError("the ping-pong schedule needs bf16 operands")
         self.parts = 2 if self.fp8 and (split or self.phases is None) and D > 128 and D % 16 == 0 else 1
         self.sub = D // self.parts
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
@@ -211,11 +222,17 @@ class RopeGemmSm90:
         elem = 1 if self.fp8 else 2
         a_stage_bytes = self.bm * self.bk * elem
         b_stage_bytes = self.bn * self.bk * elem
-        epi_bytes = 2 * ROWS_PER_WG * self.epi_w * 2
+        # the epilogue's [64, epi_w] tiles: one per warpgroup (cooperative), two per warpgroup (ping-pong: a tile's
+        # pieces, 64 rows by epi_w columns each, alternate between them)
+        self.epi_slots = 4 if self.pingpong else 2
+        epi_bytes = self.epi_slots * ROWS_PER_WG * self.epi_w * 2
         # fp8: W's scales of one tile (span blocks x K blocks), staged in shared memory one tile ahead
         self.n_sw = self.span * self.k_tiles if self.fp8 else 1
         self.sw_per_thread = -(-self.n_sw // 128)
-        epi_bytes += 2 * 2 * ROWS_PER_WG * self.RH * 4 + 1024 + 2 * 2 * self.n_sw * 4 + 64
+        # the RoPE tables' rows (cooperative: staged by TMA; ping-pong: read from global memory in the epilogue, which
+        # runs under the other warpgroup's main loop)
+        self.tab_stages = 0 if self.pingpong else 4
+        epi_bytes += self.tab_stages * ROWS_PER_WG * self.RH * 4 + 1024 + 2 * 2 * self.n_sw * 4 + 64
         self.stages = min(8, (SMEM_BYTES - epi_bytes - 2048) // (a_stage_bytes + b_stage_bytes))
         if self.stages < 2:
             raise ValueError(f"q_head_dim {D} leaves fewer than two pipeline stages")
@@ -233,12 +250,12 @@ class RopeGemmSm90:
         b_layout = utils.LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            cutlass.Float32, (2, 1, 1), tiler_mn=(ROWS_PER_WG, self.sub))
+            cutlass.Float32, (1, 1, 1) if self.pingpong else (2, 1, 1), tiler_mn=(ROWS_PER_WG, self.sub))
         tile_mnk = (self.bm, self.bn, self.bk)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.b_dtype, self.stages)
         y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.epi_w),
-                                                 2)
+                                                 self.epi_slots)
 
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(a_smem, (None, None, 0)), (self.bm, self.bk))
@@ -269,11 +286,12 @@ class RopeGemmSm90:
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
             sY: cute.struct.Align[cute.struct.MemRange[self.y_dtype, cute.cosize(y_smem)], 1024]
             tab_bars: cute.struct.MemRange[cutlass.Int64, 2]
-            sTab: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, cute.cosize(tab_smem)], 1024]
+            sTab: cute.struct.Align[cute.struct.MemRange[cutlass.Float32,
+                                                         cute.cosize(tab_smem) if self.tab_stages else 32], 1024]
             sSW: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, 4 * self.n_sw], 16]
 
         self.storage = Storage
-        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, tma_cos, tCos, tma_sin, tSin, mSA, mSW, mS,
+        self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, tma_cos, tCos, tma_sin, tSin, mSA, mSW, mS, mCos, mSin,
                     a_smem, b_smem, y_smem, tab_smem, sched).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream)
 
@@ -283,7 +301,7 @@ class RopeGemmSm90:
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom,
                mB: cute.Tensor, tma_y: cute.CopyAtom, mY: cute.Tensor, tma_cos: cute.CopyAtom, mCosT: cute.Tensor,
                tma_sin: cute.CopyAtom, mSinT: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mS: cute.Tensor,
-               a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
+               mCos: cute.Tensor, mSin: cute.Tensor, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
                y_smem: cute.ComposedLayout, tab_smem: cute.ComposedLayout,
                sched: utils.PersistentTileSchedulerParams):
         tidx, _, _ = cute.arch.thread_idx()
@@ -307,7 +325,8 @@ class RopeGemmSm90:
             barrier_storage=st.bars.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             # a stage is free when the consumer warps of every CTA it was multicast to released it
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * 4 * cm),
+            # (ping-pong: one warpgroup of each CTA consumes a stage)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, (1 if self.pingpong else 2) * 4 * cm),
             tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)), defer_sync=True)
         if tidx == 0:  # one barrier per consumer warpgroup: its rows of the RoPE tables have landed
             cute.arch.mbarrier_init(st.tab_bars.data_ptr(), 1)
@@ -358,139 +377,150 @@ class RopeGemmSm90:
                 ring.producer_tail(state)
         else:  # ------------------------------------------------------------------------------- consumers
             cute.arch.warpgroup_reg_alloc(self.consumer_regs)
-            c = wg - 1  # consumer index: rows [64c, 64c + 64) of the tile
+            c = wg - 1  # consumer index: rows [64c, 64c + 64) of the tile (ping-pong: every other tile)
             ct = tidx - 128  # thread index among the consumers
-            thr_mma = tiled_mma.get_slice(ct)
-            tCsA = thr_mma.partition_A(sA)
-            sB_parts = cute.flat_divide(sB, (self.sub, self.bk))  # (sub, bk, parts, 1, stages)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB_parts[(None, None, p, 0, None)]))
-                    for p in range(self.parts)]
-            acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
-            # fp8: one K block's product before its promotion
-            blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32) \
-                if self.fp8 else None
-            k_blocks = cute.size(tCrA, mode=[2])
-
-            lane = tidx % 32
-            w_in_wg = (tidx // 32) % 4
-            q = lane % 4
-            row_lo = ROWS_PER_WG * c + 16 * w_in_wg + lane // 4  # tile rows of this thread: row_lo, row_lo + 8
-            T = mA.shape[0]
-            store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
-            sYc = sYw[(None, None, c)]  # [64, epi_w / 2] words
-            # the MXFP8 codes' tile: [64, D] bytes, as 16-bit words of two adjacent columns and as bytes
-            sQh = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner, dtype=cutlass.Int16)[(None, None, c)]
-            sQb = st.sY.get_tensor(cute.recast_layout(8, 16, y_smem.outer), swizzle=y_smem.inner,
-                                   dtype=cutlass.Uint8)[(None, None, c)]
-            # the second output half's buffer: this warpgroup's table stages (cos, sin: 2 x 64 x R/2 fp32), laid out
-            # as an epilogue stage (the first of the layout's two)
-            room = st.sTab.data_ptr() + 2 * c * ROWS_PER_WG * self.RH
-            sY2 = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=self.y_dtype), y_smem.outer)
-            sY2w = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=cutlass.Int32),
-                                    cute.recast_layout(32, 16, y_smem.outer))[(None, None, 0)]
-            tYsY2, _ = cpasync.tma_partition(tma_y, 0, cute.make_layout(1), cute.group_modes(sY2, 0, 2),
-                                             cute.group_modes(gY, 0, 2))
-
-            tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
-            work = tiles.initial_work_tile_info()
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            # the next tile: its W scales are read from global memory while this one runs
-            ahead = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
-            ahead.advance_to_next_work()
-            tab_bar = st.tab_bars.data_ptr() + c
-            tTsC, tTgC = cpasync.tma_partition(tma_cos, 0, cute.make_layout(1), cute.group_modes(sTab, 0, 2),
-                                               cute.group_modes(cute.local_tile(mCosT, (ROWS_PER_WG, self.RH),
-                                                                                (None, 0)), 0, 2))
-            tTsS, tTgS = cpasync.tma_partition(tma_sin, 0, cute.make_layout(1), cute.group_modes(sTab, 0, 2),
-                                               cute.group_modes(cute.local_tile(mSinT, (ROWS_PER_WG, self.RH),
-                                                                                (None, 0)), 0, 2))
-            sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
-            t128 = ct % 128
-            if cutlass.const_expr(self.fp8):
-                if work.is_valid_tile:  # the first tile's W scales
-                    self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
-                    self._store_sw(sw_next, sSW, 0, c, t128)
+            if cutlass.const_expr(self.pingpong):
+                # the epilogue tile as 32-bit words (two bf16 columns), 16-bit words (two MXFP8 codes) and bytes
+                sYw_all = st.sY.get_tensor(cute.recast_layout(32, 16, y_smem.outer), swizzle=y_smem.inner,
+                                           dtype=cutlass.Int32)
+                sQh_all = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner, dtype=cutlass.Int16)
+                sQb_all = st.sY.get_tensor(cute.recast_layout(8, 16, y_smem.outer), swizzle=y_smem.inner,
+                                           dtype=cutlass.Uint8)
+                # (the two table barriers order the warpgroups' main loops here)
+                self._pingpong(tiled_mma, ring, sA, sB, sYw_all, sQh_all, sQb_all, tma_y, tYsY, tYgY, mCos, mSin, mS,
+                               sched, st.tab_bars.data_ptr(), c, tidx, mA.shape[0])
             else:
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # into acc, zeroed per tile
-                rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # next to release
-            store_bar.arrive_and_wait()
-            tcount = cutlass.Int32(0)
-            while work.is_valid_tile:
-                m, n = work.tile_idx[0], work.tile_idx[1]
-                buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
-                acc.fill(0.0)
-                tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
-                # K block 0 peeled: under its WGMMAs this warpgroup's 64 rows of cos and sin are requested (in flight
-                # during the main loop); their room held the previous tile's second output half, whose store must
-                # have read it by then
-                tables = functools.partial(self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin,
-                                           tTgS, tTsS, m, c)
-                if cutlass.const_expr(self.fp8):
-                    nwork = ahead.get_current_work()
-                    if nwork.is_valid_tile:
-                        self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
-                    r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
-                    r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
-                    col0 = n * self.D  # first column of the head in W / y
-                    b0 = col0 // BLOCK
-                    # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
-                    nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
-                    cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
-                    nxt[0] = mSA[(0, r0)]
-                    nxt[1] = mSA[(0, r1)]
-                    blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
-                              col0 - b0 * BLOCK)
-                    state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
-                    for k in cutlass.range(1, self.k_tiles, unroll=1):
-                        # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
-                        state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
-                    self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
-                else:
-                    ops = (ring, acc, tCrA, tCrB, k_blocks)
-                    state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, True, tables)
-                    for k in cutlass.range(1, self.k_tiles, unroll=1):
-                        state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, False)
-                    warpgroup.wait_group(0)
-                    ring.consumer_release(rel)
-                    rel.advance()
+                thr_mma = tiled_mma.get_slice(ct)
+                tCsA = thr_mma.partition_A(sA)
+                sB_parts = cute.flat_divide(sB, (self.sub, self.bk))  # (sub, bk, parts, 1, stages)
+                tCrA = tiled_mma.make_fragment_A(tCsA)
+                tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB_parts[(None, None, p, 0, None)]))
+                        for p in range(self.parts)]
+                acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
+                # fp8: one K block's product before its promotion
+                blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32) \
+                    if self.fp8 else None
+                k_blocks = cute.size(tCrA, mode=[2])
 
-                # -------------------------------------------------------------------------------- epilogue
-                cute.arch.mbarrier_wait(tab_bar, buf)
-                self._read_tables(tab, sTab, row_lo - ROWS_PER_WG * c, q, c)
-                if cutlass.const_expr(self.mx):
-                    if ct % 128 == 0:  # the previous store from sY has read it
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    store_bar.arrive_and_wait()
-                    self._mx_store(acc, sQh, sQb, tab, row_lo - ROWS_PER_WG * c, q, mS, m * self.bm + row_lo, n, T)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    store_bar.arrive_and_wait()
-                    if ct % 128 == 0:
-                        cute.copy(tma_y, tYsY[(None, c)], tYgY[(None, 2 * m + c, n)])
-                        cute.arch.cp_async_bulk_commit_group()
+                lane = tidx % 32
+                w_in_wg = (tidx // 32) % 4
+                q = lane % 4
+                row_lo = ROWS_PER_WG * c + 16 * w_in_wg + lane // 4  # tile rows of this thread: row_lo, row_lo + 8
+                T = mA.shape[0]
+                store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
+                sYc = sYw[(None, None, c)]  # [64, epi_w / 2] words
+                # the MXFP8 codes' tile: [64, D] bytes, as 16-bit words of two adjacent columns and as bytes
+                sQh = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner, dtype=cutlass.Int16)[(None, None, c)]
+                sQb = st.sY.get_tensor(cute.recast_layout(8, 16, y_smem.outer), swizzle=y_smem.inner,
+                                       dtype=cutlass.Uint8)[(None, None, c)]
+                # the second output half's buffer: this warpgroup's table stages (cos, sin: 2 x 64 x R/2 fp32), laid out
+                # as an epilogue stage (the first of the layout's two)
+                room = st.sTab.data_ptr() + 2 * c * ROWS_PER_WG * self.RH
+                sY2 = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=self.y_dtype), y_smem.outer)
+                sY2w = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=cutlass.Int32),
+                                        cute.recast_layout(32, 16, y_smem.outer))[(None, None, 0)]
+                tYsY2, _ = cpasync.tma_partition(tma_y, 0, cute.make_layout(1), cute.group_modes(sY2, 0, 2),
+                                                 cute.group_modes(gY, 0, 2))
+
+                tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
+                work = tiles.initial_work_tile_info()
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                # the next tile: its W scales are read from global memory while this one runs
+                ahead = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
+                ahead.advance_to_next_work()
+                tab_bar = st.tab_bars.data_ptr() + c
+                tTsC, tTgC = cpasync.tma_partition(tma_cos, 0, cute.make_layout(1), cute.group_modes(sTab, 0, 2),
+                                                   cute.group_modes(cute.local_tile(mCosT, (ROWS_PER_WG, self.RH),
+                                                                                    (None, 0)), 0, 2))
+                tTsS, tTgS = cpasync.tma_partition(tma_sin, 0, cute.make_layout(1), cute.group_modes(sTab, 0, 2),
+                                                   cute.group_modes(cute.local_tile(mSinT, (ROWS_PER_WG, self.RH),
+                                                                                    (None, 0)), 0, 2))
+                sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
+                t128 = ct % 128
+                if cutlass.const_expr(self.fp8):
+                    if work.is_valid_tile:  # the first tile's W scales
+                        self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
+                        self._store_sw(sw_next, sSW, 0, c, t128)
                 else:
-                    halves = 2 if self.epi_halves else 1
-                    for h in cutlass.range_constexpr(halves):
-                        in_tables = self.epi_in_tables and h == 1
-                        if cutlass.const_expr(not in_tables):
-                            if ct % 128 == 0:  # the previous store from sY has read it
-                                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        store_bar.arrive_and_wait()  # (and, for the second half, every thread has read the tables)
-                        self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c, q,
-                                         h * self.epi_w)
-                        # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # into acc, zeroed per tile
+                    rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # next to release
+                store_bar.arrive_and_wait()
+                tcount = cutlass.Int32(0)
+                while work.is_valid_tile:
+                    m, n = work.tile_idx[0], work.tile_idx[1]
+                    buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
+                    acc.fill(0.0)
+                    tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
+                    # K block 0 peeled: under its WGMMAs this warpgroup's 64 rows of cos and sin are requested (in flight
+                    # during the main loop); their room held the previous tile's second output half, whose store must
+                    # have read it by then
+                    tables = functools.partial(self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin,
+                                               tTgS, tTsS, m, c)
+                    if cutlass.const_expr(self.fp8):
+                        nwork = ahead.get_current_work()
+                        if nwork.is_valid_tile:
+                            self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
+                        r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
+                        r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
+                        col0 = n * self.D  # first column of the head in W / y
+                        b0 = col0 // BLOCK
+                        # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
+                        nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
+                        cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
+                        nxt[0] = mSA[(0, r0)]
+                        nxt[1] = mSA[(0, r1)]
+                        blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
+                                  col0 - b0 * BLOCK)
+                        state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
+                        for k in cutlass.range(1, self.k_tiles, unroll=1):
+                            # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
+                            state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
+                        self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
+                    else:
+                        ops = (ring, acc, tCrA, tCrB, k_blocks)
+                        state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, True, tables)
+                        for k in cutlass.range(1, self.k_tiles, unroll=1):
+                            state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, False)
+                        warpgroup.wait_group(0)
+                        ring.consumer_release(rel)
+                        rel.advance()
+
+                    # -------------------------------------------------------------------------------- epilogue
+                    cute.arch.mbarrier_wait(tab_bar, buf)
+                    self._read_tables(tab, sTab, row_lo - ROWS_PER_WG * c, q, c)
+                    if cutlass.const_expr(self.mx):
+                        if ct % 128 == 0:  # the previous store from sY has read it
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        store_bar.arrive_and_wait()
+                        self._mx_store(acc, sQh, sQb, tab, row_lo - ROWS_PER_WG * c, q, mS, m * self.bm + row_lo, n, T)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         store_bar.arrive_and_wait()
                         if ct % 128 == 0:
-                            cute.copy(tma_y, tYsY2[(None, 0)] if in_tables else tYsY[(None, c)],
-                                      tYgY[(None, 2 * m + c, halves * n + h)])
+                            cute.copy(tma_y, tYsY[(None, c)], tYgY[(None, 2 * m + c, n)])
                             cute.arch.cp_async_bulk_commit_group()
-                tiles.advance_to_next_work()
-                work = tiles.get_current_work()
-                ahead.advance_to_next_work()
-                tcount += 1
-            if ct % 128 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    else:
+                        halves = 2 if self.epi_halves else 1
+                        for h in cutlass.range_constexpr(halves):
+                            in_tables = self.epi_in_tables and h == 1
+                            if cutlass.const_expr(not in_tables):
+                                if ct % 128 == 0:  # the previous store from sY has read it
+                                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                            store_bar.arrive_and_wait()  # (and, for the second half, every thread has read the tables)
+                            self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c, q,
+                                             h * self.epi_w)
+                            # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
+                            cute.arch.fence_proxy("async.shared", space="cta")
+                            store_bar.arrive_and_wait()
+                            if ct % 128 == 0:
+                                cute.copy(tma_y, tYsY2[(None, 0)] if in_tables else tYsY[(None, c)],
+                                          tYgY[(None, 2 * m + c, halves * n + h)])
+                                cute.arch.cp_async_bulk_commit_group()
+                    tiles.advance_to_next_work()
+                    work = tiles.get_current_work()
+                    ahead.advance_to_next_work()
+                    tcount += 1
+                if ct % 128 == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     def _k_block(self, state, tiled_mma, k, blocks, under_first=None):
         """K block k of a tile at ring position `state` (plain Python, traced inline: its loops and branches are
@@ -518,6 +548,98 @@ class RopeGemmSm90:
             self._promote(acc, blk, cur, off, part)
         state.advance()
         return state, tiled_mma
+
+    @cute.jit
+    def _pingpong(self, tiled_mma: cute.TiledMma, ring, sA: cute.Tensor, sB: cute.Tensor, sYw: cute.Tensor,
+                  sQh: cute.Tensor, sQb: cute.Tensor, tma_y: cute.CopyAtom, tYsY: cute.Tensor, tYgY: cute.Tensor,
+                  mCos: cute.Tensor, mSin: cute.Tensor, mS: cute.Tensor, sched: utils.PersistentTileSchedulerParams,
+                  order, c: cutlass.Int32, tidx: cutlass.Int32, T: cutlass.Int32):
+        """Consumer warpgroup c of the ping-pong schedule (bf16 operands): the CTA's tiles 2i + c, each [128, D] tile
+        whole (two m64 WGMMAs per K step, a D-register accumulator). The ring hands out the stages in tile order, so
+        the two warpgroups' main loops take turns and each one's epilogue runs under the other's main loop. A
+        warpgroup starts waiting on its tile's stages only once the other has issued its last K tile (`order`: one
+        mbarrier per warpgroup): the stage barriers' phases are told apart by parity only, so a waiter may not run more
+        than one phase ahead. The epilogue writes the tile in [64, epi_w] pieces alternating between the warpgroup's two shared-memory tiles
+        (a piece waits only for the store of the piece two before it), with the RoPE tables' rows read from global
+        memory (L2)."""
+        wt = tidx % 128
+        thr_mma = tiled_mma.get_slice(wt)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB))]
+        acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
+        k_blocks = cute.size(tCrA, mode=[2])
+        lane = tidx % 32
+        q = lane % 4
+        lrow = 16 * ((tidx // 32) % 4) + lane // 4  # this thread's rows of each 64-row m-block: lrow, lrow + 8
+        store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
+        # the CTA's tiles 2i + c: the persistent scheduler with twice the stride, started c strides on
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, gz = cute.arch.grid_dim()
+        tiles = utils.StaticPersistentTileScheduler.create(sched, (bx, by, bz + c * gz), (gx, gy, 2 * gz))
+        work = tiles.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for _ in cutlass.range(c * self.k_tiles, unroll=1):  # warpgroup 1 starts at the CTA's second tile
+            state.advance()
+            rel.advance()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # into acc, zeroed per tile
+        tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)
+        ops = (ring, acc, tCrA, tCrB, k_blocks)
+        halves = 2 if (self.epi_halves and not self.mx) else 1
+        tcount = cutlass.Int32(0)  # this warpgroup's tiles so far
+        while work.is_valid_tile:
+            m, n = work.tile_idx[0], work.tile_idx[1]
+            if tcount + c > 0:  # the other warpgroup has issued its previous tile's last K tile
+                cute.arch.mbarrier_wait(order + c, (tcount + c + 1) % 2)
+            acc.fill(0.0)
+            state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, True)
+            for _ in cutlass.range(1, self.k_tiles, unroll=1):
+                state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, False)
+            if wt == 0:  # its turn
+                cute.arch.mbarrier_arrive(order + (1 - c))
+            warpgroup.wait_group(0)
+            ring.consumer_release(rel)
+            rel.advance()
+            # ------------------------------------------------------------------------------------ epilogue
+            for mm in cutlass.range_constexpr(2):
+                g0 = m * self.bm + ROWS_PER_WG * mm + lrow  # global row of the thread's first row of this m-block
+                self._read_tables_global(tab, mCos, mSin, cutlass.min(g0, T - 1), cutlass.min(g0 + 8, T - 1), q)
+                for h in cutlass.range_constexpr(halves):
+                    slot = 2 * c + (mm * halves + h) % 2
+                    if wt == 0:  # the store from this slot (two pieces back) has read it
+                        cute.arch.cp_async_bulk_wait_group(1, read=True)
+                    store_bar.arrive_and_wait()
+                    if cutlass.const_expr(self.mx):
+                        self._mx_store(acc, sQh[(None, None, slot)], sQb[(None, None, slot)], tab, lrow, q, mS, g0, n,
+                                       T, base=(self.D // 2) * mm)
+                    else:
+                        self._rope_store(acc, sYw[(None, None, slot)], tab, lrow, q, h * self.epi_w,
+                                         base=(self.D // 2) * mm)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    store_bar.arrive_and_wait()
+                    if wt == 0:
+                        cute.copy(tma_y, tYsY[(None, slot)], tYgY[(None, 2 * m + mm, halves * n + h)])
+                        cute.arch.cp_async_bulk_commit_group()
+            tiles.advance_to_next_work()
+            work = tiles.get_current_work()
+            for _ in cutlass.range(self.k_tiles, unroll=1):  # the stages of the other warpgroup's tile
+                state.advance()
+                rel.advance()
+            tcount += 1
+        if wt == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def _read_tables_global(self, tab: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, r0: cutlass.Int32,
+                            r1: cutlass.Int32, q: cutlass.Int32):
+        """`_read_tables` from the [T, R/2] tables in global memory (rows r0, r1, in bounds)."""
+        n = self.R // 8
+        for t in cutlass.range_constexpr(n):
+            i = self._pair(t, q)
+            tab[t] = mCos[(r0, i)]
+            tab[n + t] = mCos[(r1, i)]
+            tab[2 * n + t] = mSin[(r0, i)]
+            tab[3 * n + t] = mSin[(r1, i)]
 
     def _k_tile(self, state, rel, tiled_mma, ops, first: bool, under_first=None):
         """bf16 operands: the K tile at ring position `state` (plain Python, traced inline): its WGMMAs accumulate into
@@ -656,7 +778,7 @@ class RopeGemmSm90:
 
     @cute.jit
     def _rope_store(self, acc: cute.Tensor, sW: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
-                    q: cutlass.Int32, lo: cutlass.Constexpr = 0):
+                    q: cutlass.Int32, lo: cutlass.Constexpr = 0, base: cutlass.Constexpr = 0):
         """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, epi_w] tile (sW: as [64, epi_w / 2] words): the
         output columns [lo, lo + epi_w) of the head (a store's column group, 4 or 8 wide and aligned, lies on one side
         of the window's edges). Every store writes two adjacent output columns as one 32-bit word. Where the output
@@ -685,7 +807,7 @@ class RopeGemmSm90:
             col = 8 * j  # + 2q + c2
             for r2 in cutlass.range_constexpr(2):
                 row = lrow + 8 * r2
-                i0 = 4 * j + 2 * r2
+                i0 = base + 4 * j + 2 * r2  # (base: the m-block's first element in acc)
                 if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
                     put2(row, col, acc[i0], acc[i0 + 1])
                 elif cutlass.const_expr(self.style != "neox"):  # pair (2i, 2i + 1) in this thread's two columns
@@ -748,7 +870,8 @@ class RopeGemmSm90:
 
     @cute.jit
     def _mx_store(self, acc: cute.Tensor, sQh: cute.Tensor, sQb: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
-                  q: cutlass.Int32, mS: cute.Tensor, grow: cutlass.Int32, n: cutlass.Int32, T: cutlass.Int32):
+                  q: cutlass.Int32, mS: cute.Tensor, grow: cutlass.Int32, n: cutlass.Int32, T: cutlass.Int32,
+                  base: cutlass.Constexpr = 0):
         """The rotated accumulator as MXFP8 rowwise (32-blocks along the head): codes into the warpgroup's [64, D]-byte
         tile (sQh: its 16-bit words, sQb: its bytes), E8M0 bytes to mS[grow (+8), n·D/32 + b] for rows < T. Per row
         every 32-column output block holds 8 of this thread's values (4 lanes of a quad hold the block), so its amax
@@ -761,7 +884,7 @@ class RopeGemmSm90:
             words = []
             for j in cutlass.range_constexpr(self.D // 8):
                 col = 8 * j
-                i0 = 4 * j + 2 * r2
+                i0 = base + 4 * j + 2 * r2  # (base: the m-block's first element in acc)
                 if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
                     words.append(("w", col, acc[i0], acc[i0 + 1]))
                 elif cutlass.const_expr(self.style != "neox"):
