@@ -102,11 +102,10 @@ def _bf16x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> c
 
 
 @dsl_user_op
-def _e4m3x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
-    """(e4m3(lo), e4m3(hi)) rounded to nearest even and saturated to ±448 (NaN: +NaN), lo in the low byte of a 16-bit
-    value (zero-extended)."""
-    return _asm(I32, ((F32, hi), (F32, lo)),
-                "{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, $1, $2; cvt.u32.u16 $0, t; }", "=r,f,f", loc, ip)
+def _e4m3x2(lo: cutlass.Float32, hi: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int16:
+    """(e4m3(lo), e4m3(hi)) rounded to nearest even and saturated to ±448 (NaN: +NaN) as one 16-bit value, lo in the
+    low byte (the lower address)."""
+    return _asm(cutlass.Int16, ((F32, hi), (F32, lo)), "cvt.rn.satfinite.e4m3x2.f32 $0, $1, $2;", "=h,f,f", loc, ip)
 
 
 @dsl_user_op
@@ -875,7 +874,8 @@ class RopeGemmSm90:
         """The rotated accumulator as MXFP8 rowwise (32-blocks along the head): codes into the warpgroup's [64, D]-byte
         tile (sQh: its 16-bit words, sQb: its bytes), E8M0 bytes to mS[grow (+8), n·D/32 + b] for rows < T. Per row
         every 32-column output block holds 8 of this thread's values (4 lanes of a quad hold the block), so its amax
-        is the thread's, then two quad shuffles."""
+        is the thread's, then the quad's (a transposed reduction: each lane forms the E8M0 bytes of 2 of the row's
+        blocks, not of all)."""
         P, RH, nt, nblk = self.P, self.RH, self.R // 8, self.D // 32
         for r2 in cutlass.range_constexpr(2):
             row = lrow + 8 * r2
@@ -920,21 +920,30 @@ class RopeGemmSm90:
                         amax[blk_of] = _abs(v)
                     else:
                         amax[blk_of] = _absmax(amax[blk_of], v)
-            rs = []
-            for b in cutlass.range_constexpr(nblk):
-                mb = amax[b]
-                mb = _fmax(mb, cute.arch.shuffle_sync_bfly(mb, 1))
-                mb = _fmax(mb, cute.arch.shuffle_sync_bfly(mb, 2))
-                byte, r = self._e8m0(mb)
-                rs.append(r)
-                if q == b % 4:
+            # the quad's amax of each block, transposed: two exchange steps leave lane q the blocks q and q + 4 (blocks
+            # past nblk are zeros); it forms their E8M0 bytes and stores them, and every lane takes the multipliers
+            # of the row's blocks back from their owners, one shuffle a block
+            v = [amax[b] if b < nblk else F32(0.0) for b in range(8)]
+            hi2, hi1 = (q & 2) != 0, (q & 1) != 0
+            pairs = []
+            for bA, bB in ((0, 2), (1, 3), (4, 6), (5, 7)):  # lanes with q & 2 keep bB, the others bA
+                got = cute.arch.shuffle_sync_bfly(cutlass.select_(hi2, v[bA], v[bB]), 2)
+                pairs.append(_fmax(cutlass.select_(hi2, v[bB], v[bA]), got))
+            own_r = []
+            for k in cutlass.range_constexpr(2 if nblk > 4 else 1):  # own block 4k + q
+                got = cute.arch.shuffle_sync_bfly(cutlass.select_(hi1, pairs[2 * k], pairs[2 * k + 1]), 1)
+                byte, r = self._e8m0(_fmax(cutlass.select_(hi1, pairs[2 * k + 1], pairs[2 * k]), got))
+                own_r.append(r)
+                if 4 * k + q < nblk:
                     if grow + 8 * r2 < T:
-                        mS[(grow + 8 * r2, n * nblk + b)] = cutlass.Uint8(byte)
+                        mS[(grow + 8 * r2, n * nblk + 4 * k + q)] = cutlass.Uint8(byte)
+            quad = cute.arch.lane_idx() - q
+            rs = [cute.arch.shuffle_sync(own_r[b // 4], quad + b % 4) for b in range(nblk)]
             for i in cutlass.range_constexpr(len(words)):
                 w = words[i]
                 if cutlass.const_expr(w[0] == "w"):
                     r = rs[w[1] // 32]
-                    sQh[(row, w[1] // 2 + q)] = cutlass.Int16(_e4m3x2(_mul_rn(w[2], r), _mul_rn(w[3], r)))
+                    sQh[(row, w[1] // 2 + q)] = _e4m3x2(_mul_rn(w[2], r), _mul_rn(w[3], r))
                 else:
                     code = _e4m3x2(_mul_rn(w[3], rs[w[1] // 32]), _mul_rn(w[4], rs[w[2] // 32]))
                     sQb[(row, w[1] + q)] = cutlass.Uint8(code)
