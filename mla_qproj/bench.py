@@ -322,29 +322,22 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         a, sa = quantize_blocks_pow2(c["x"].float(), 1, 128)
         return (lambda: blockwise_gemm(a, sa, c["wq"], c["ws"])), []
 
-    def cute_gemm(c):
-        """The CuTe DSL engine's GEMM + RoPE epilogue alone, on the same operands as cublas_fp8_blockwise_gemm."""
-        from ._config import QProjConfig
-        from .kernels.cute import rope_gemm
-
-        cfg = QProjConfig(K, H, NOPE, ROPE, D, precision="fp8_block", output_format="bf16")
-        if not rope_gemm.serves(cfg, c["x"].device):
-            raise RuntimeError("the CuTe DSL engine does not serve this config here")
-        a, sa = quantize_blocks_pow2(c["x"].float(), 1, 128)
-        sa_m = sa.t().contiguous()  # [K/128, T]
-        return (lambda: rope_gemm.rope_gemm(a, sa_m, c["wq"], c["ws"], c["cos_h"], c["sin_h"], cfg)), []
-
-    def cute_bf16_gemm(query: str):
+    def cute_gemm(precision: str, query: str = "bf16") -> Callable:
         def build(c):
-            """The CuTe DSL engine's bf16-operand GEMM + RoPE epilogue alone (the mxfp8 / bf16 forward's), bf16 or
-            MXFP8 query, on the operands of cublas_bf16_gemm."""
+            """The CuTe DSL engine's GEMM + RoPE epilogue alone: fp8_block codes on cublas_fp8_blockwise_gemm's
+            operands, or bf16 ones (the mxfp8 / bf16 forward's) on cublas_bf16_gemm's."""
             from ._config import QProjConfig
             from .kernels.cute import rope_gemm
 
-            cfg = QProjConfig(K, H, NOPE, ROPE, D, precision="mxfp8", output_format=query)
-            if not rope_gemm.available(cfg, c["x"].device):
+            cfg = QProjConfig(K, H, NOPE, ROPE, D, precision=precision, output_format=query)
+            if not rope_gemm.serves(cfg, c["x"].device):
                 raise RuntimeError("the CuTe DSL engine does not serve this config here")
-            return (lambda: rope_gemm.rope_gemm(c["x"], None, c["w"], None, c["cos_h"], c["sin_h"], cfg)), []
+            if precision == "fp8_block":
+                a, sa = quantize_blocks_pow2(c["x"].float(), 1, 128)
+                args = (a, sa.t().contiguous(), c["wq"], c["ws"])  # scale_inv M-major [K/128, T]
+            else:
+                args = (c["x"], None, c["w"], None)
+            return (lambda: rope_gemm.rope_gemm(*args, c["cos_h"], c["sin_h"], cfg)), []
         return build
 
     def unfused_fp8(c):
@@ -377,9 +370,9 @@ def make_rows(layers: dict, compile_mode: str) -> list[Row]:
         Row("cublas_bf16_gemm", "fwd", None, lambda c: ((lambda: c["x"] @ c["w"].t()), [])),
         Row("cublas_fp8_tensorwise_gemm", "fwd", None, tensorwise),
         Row("cublas_fp8_blockwise_gemm", "fwd", None, blockwise),
-        Row("cute_fp8_rope_gemm", "fwd", None, cute_gemm),
-        Row("cute_bf16_rope_gemm", "fwd", None, cute_bf16_gemm("bf16")),
-        Row("cute_bf16_mxfp8_gemm", "fwd", None, cute_bf16_gemm("mxfp8")),
+        Row("cute_fp8_rope_gemm", "fwd", None, cute_gemm("fp8_block")),
+        Row("cute_bf16_rope_gemm", "fwd", None, cute_gemm("mxfp8")),
+        Row("cute_bf16_mxfp8_gemm", "fwd", None, cute_gemm("mxfp8", "mxfp8")),
         Row(mx_peer, "fwd", None, lambda c: ((lambda: c_mx(c["x"], c["g"], c["w"], c["cos_h"], c["sin_h"])), [])),
         Row(fp8_peer, "fwd", None, unfused_fp8),
         Row("ours_mxfp8", "fwd", mx_peer, ours("mxfp8")),

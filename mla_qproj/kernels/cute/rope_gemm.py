@@ -92,15 +92,10 @@ def _say_once(msg: str) -> None:
 
 
 def serves(cfg: QProjConfig, device: torch.device) -> bool:
-    """The engine runs this config's forward on this device (`available`). It is the faster kernel wherever it can
-    run (BENCHMARKS.md: every operand kind and query against the Triton kernel on the H200)."""
-    return available(cfg, device)
-
-
-def available(cfg: QProjConfig, device: torch.device) -> bool:
-    """The engine can run this config's forward on this device: sm_90, a supported geometry, a kernel to be had
-    (prebuilt or the DSL to compile one), and not disabled (`MLA_QPROJ_CUTE=0`). Says once why not, where it
-    matters."""
+    """The engine runs this config's forward on this device: sm_90, a supported geometry, a kernel to be had
+    (prebuilt or the DSL to compile one), and not disabled (`MLA_QPROJ_CUTE=0`). It is the faster kernel wherever it
+    runs (BENCHMARKS.md: every operand kind and query against the Triton kernel on the H200). Says once why not,
+    where it matters."""
     if device.type != "cuda" or not _enabled():
         return False
     return _serves(_op.encoded(cfg), device.index if device.index is not None else torch.cuda.current_device(),
@@ -245,10 +240,15 @@ def rope_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor | None, w: torch.Tensor
     return y.view(T, H, D), None
 
 
+def _rope_gemm_list(a, a_scale_inv, w, ws, cos_h, sin_h, cfg: str) -> list[torch.Tensor]:
+    """`rope_gemm` of the encoded config, as the op returns it: [q] or [codes, scale bytes]."""
+    return [t for t in rope_gemm(a, a_scale_inv, w, ws, cos_h, sin_h, QProjConfig.decode(cfg)) if t is not None]
+
+
 @torch.library.custom_op("mla_qproj::cute_rope_gemm", mutates_args=())
 def _rope_gemm_def(a: torch.Tensor, a_scale_inv: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor | None,
                    cos_h: torch.Tensor, sin_h: torch.Tensor, cfg: str) -> list[torch.Tensor]:
-    return [t for t in rope_gemm(a, a_scale_inv, w, ws, cos_h, sin_h, QProjConfig.decode(cfg)) if t is not None]
+    return _rope_gemm_list(a, a_scale_inv, w, ws, cos_h, sin_h, cfg)
 
 
 @_rope_gemm_def.register_fake
@@ -260,10 +260,6 @@ def _(a, a_scale_inv, w, ws, cos_h, sin_h, cfg):
     return [a.new_empty((T, H, D), dtype=torch.bfloat16)]
 
 
-def _eager(a, a_scale_inv, w, ws, cos_h, sin_h, cfg: str) -> list[torch.Tensor]:
-    return [t for t in rope_gemm(a, a_scale_inv, w, ws, cos_h, sin_h, QProjConfig.decode(cfg)) if t is not None]
-
-
 # the recipes' entry point: the launcher in eager mode, the registered op while torch.compile traces; returns [q] or
 # [codes, scale bytes]
-rope_gemm_op = _op.eager_fast(_rope_gemm_def, _eager)
+rope_gemm_op = _op.eager_fast(_rope_gemm_def, _rope_gemm_list)

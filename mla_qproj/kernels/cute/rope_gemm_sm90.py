@@ -42,8 +42,9 @@ staging them).
 
 MXFP8 query (rowwise 32-blocks along each head's D, SPEC §1.5 and §2): after the rotation each thread holds, per row,
 8 values of every 32-column block of the output (pass-through and neox / gptj columns 8j + 2q + {0, 1}; deepseek's a'
-and b' of pair 4t + q at P + 4t + q and P + R/2 + 4t + q), so a block's amax is the thread's over its 8 and two quad
-shuffles; the E8M0 byte and the codes follow SPEC §2 with the GPU's instructions (max.f32 ignores NaN; the E4M3
+and b' of pair 4t + q at P + 4t + q and P + R/2 + 4t + q), so a block's amax is the thread's over its 8, then the
+quad's (reduced transposed: each lane ends with 2 of a row's blocks, forms their E8M0 bytes and hands the multipliers
+back); the E8M0 byte and the codes follow SPEC §2 with the GPU's instructions (max.f32 ignores NaN; the E4M3
 conversion rounds to nearest even and saturates; NaN becomes +NaN, as in the Triton kernels' GEMM epilogue). Codes go
 to the warpgroup's [64, D]-byte tile (two adjacent columns as one 16-bit word; deepseek's a' and b' as bytes), then one
 TMA store; scale bytes are stored from registers (D/32 a row).
@@ -160,7 +161,7 @@ class RopeGemmSm90:
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
-                 split: bool = False, pingpong: bool | None = None):
+                 split: bool = False):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -189,15 +190,13 @@ class RopeGemmSm90:
         # fp8: one K block's WGMMAs cover the whole head (m64nD, a D/2-register block buffer beside the D/2-register
         # accumulator: 192 of 240 at D = 192), one wait per block; split: two m64n(D/2) sub-tiles through a buffer half
         # that size, two waits per block (3 % slower at V3; taken where the select form of the promotion needs the
-        # registers). bf16: the WGMMAs accumulate in place (one part); a partial last K tile is zero-filled by TMA
+        # registers). bf16: the WGMMAs accumulate in place; a partial last K tile is zero-filled by TMA
         self.k_tiles = -(-K // self.bk)
         # bf16 operands: ping-pong (each consumer warpgroup owns whole [128, D] tiles, every other one of the CTA's, so
         # that one's epilogue runs under the other's main loop: the accumulator is 128·D/128 = D registers a thread,
-        # which the fp8 promotion's block buffer beside it would not leave room for); else cooperative (both
+        # which the fp8 promotion's block buffer beside it would not leave room for); fp8: cooperative (both
         # warpgroups on one tile, 64 rows each)
-        self.pingpong = (not self.fp8) if pingpong is None else pingpong
-        if self.pingpong and self.fp8:
-            raise ValueError("the ping-pong schedule needs bf16 operands")
+        self.pingpong = not self.fp8
         self.parts = 2 if self.fp8 and (split or self.phases is None) and D > 128 and D % 16 == 0 else 1
         self.sub = D // self.parts
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
@@ -310,8 +309,9 @@ class RopeGemmSm90:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_y)
-            cpasync.prefetch_descriptor(tma_cos)
-            cpasync.prefetch_descriptor(tma_sin)
+            if cutlass.const_expr(not self.pingpong):
+                cpasync.prefetch_descriptor(tma_cos)
+                cpasync.prefetch_descriptor(tma_sin)
 
         smem = cutlass.utils.SmemAllocator()
         st = smem.allocate(self.storage)
@@ -339,6 +339,9 @@ class RopeGemmSm90:
         # the same tile as 32-bit words (two bf16 columns each) for the epilogue's stores: the layout in words, the
         # pointer's swizzle unchanged (it acts on byte addresses, as TMA's does)
         sYw = st.sY.get_tensor(cute.recast_layout(32, 16, y_smem.outer), swizzle=y_smem.inner, dtype=cutlass.Int32)
+        # and for the MXFP8 codes ([64, D] bytes a tile): 16-bit words of two adjacent columns, and bytes
+        sQh = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner, dtype=cutlass.Int16)
+        sQb = st.sY.get_tensor(cute.recast_layout(8, 16, y_smem.outer), swizzle=y_smem.inner, dtype=cutlass.Uint8)
         sTab = st.sTab.get_tensor(tab_smem.outer, swizzle=tab_smem.inner)  # (64, R/2, warpgroup·2 + table)
         sSW = st.sSW.get_tensor(cute.make_layout((self.n_sw, 2, 2)))  # (span·K blocks, buffer, warpgroup)
 
@@ -379,15 +382,9 @@ class RopeGemmSm90:
             c = wg - 1  # consumer index: rows [64c, 64c + 64) of the tile (ping-pong: every other tile)
             ct = tidx - 128  # thread index among the consumers
             if cutlass.const_expr(self.pingpong):
-                # the epilogue tile as 32-bit words (two bf16 columns), 16-bit words (two MXFP8 codes) and bytes
-                sYw_all = st.sY.get_tensor(cute.recast_layout(32, 16, y_smem.outer), swizzle=y_smem.inner,
-                                           dtype=cutlass.Int32)
-                sQh_all = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner, dtype=cutlass.Int16)
-                sQb_all = st.sY.get_tensor(cute.recast_layout(8, 16, y_smem.outer), swizzle=y_smem.inner,
-                                           dtype=cutlass.Uint8)
                 # (the two table barriers order the warpgroups' main loops here)
-                self._pingpong(tiled_mma, ring, sA, sB, sYw_all, sQh_all, sQb_all, tma_y, tYsY, tYgY, mCos, mSin, mS,
-                               sched, st.tab_bars.data_ptr(), c, tidx, mA.shape[0])
+                self._pingpong(tiled_mma, ring, sA, sB, sYw, sQh, sQb, tma_y, tYsY, tYgY, mCos, mSin, mS, sched,
+                               st.tab_bars.data_ptr(), c, tidx, mA.shape[0])
             else:
                 thr_mma = tiled_mma.get_slice(ct)
                 tCsA = thr_mma.partition_A(sA)
@@ -396,9 +393,8 @@ class RopeGemmSm90:
                 tCrB = [tiled_mma.make_fragment_B(thr_mma.partition_B(sB_parts[(None, None, p, 0, None)]))
                         for p in range(self.parts)]
                 acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
-                # fp8: one K block's product before its promotion
-                blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32) \
-                    if self.fp8 else None
+                blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32)  # one
+                # K block's product before its promotion
                 k_blocks = cute.size(tCrA, mode=[2])
 
                 lane = tidx % 32
@@ -408,10 +404,6 @@ class RopeGemmSm90:
                 T = mA.shape[0]
                 store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
                 sYc = sYw[(None, None, c)]  # [64, epi_w / 2] words
-                # the MXFP8 codes' tile: [64, D] bytes, as 16-bit words of two adjacent columns and as bytes
-                sQh = st.sY.get_tensor(y_smem.outer, swizzle=y_smem.inner, dtype=cutlass.Int16)[(None, None, c)]
-                sQb = st.sY.get_tensor(cute.recast_layout(8, 16, y_smem.outer), swizzle=y_smem.inner,
-                                       dtype=cutlass.Uint8)[(None, None, c)]
                 # the second output half's buffer: this warpgroup's table stages (cos, sin: 2 x 64 x R/2 fp32), laid out
                 # as an epilogue stage (the first of the layout's two)
                 room = st.sTab.data_ptr() + 2 * c * ROWS_PER_WG * self.RH
@@ -436,13 +428,9 @@ class RopeGemmSm90:
                                                                                     (None, 0)), 0, 2))
                 sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
                 t128 = ct % 128
-                if cutlass.const_expr(self.fp8):
-                    if work.is_valid_tile:  # the first tile's W scales
-                        self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
-                        self._store_sw(sw_next, sSW, 0, c, t128)
-                else:
-                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)  # into acc, zeroed per tile
-                    rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)  # next to release
+                if work.is_valid_tile:  # the first tile's W scales
+                    self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
+                    self._store_sw(sw_next, sSW, 0, c, t128)
                 store_bar.arrive_and_wait()
                 tcount = cutlass.Int32(0)
                 while work.is_valid_tile:
@@ -450,39 +438,30 @@ class RopeGemmSm90:
                     buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
                     acc.fill(0.0)
                     tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
-                    # K block 0 peeled: under its WGMMAs this warpgroup's 64 rows of cos and sin are requested (in flight
-                    # during the main loop); their room held the previous tile's second output half, whose store must
-                    # have read it by then
+                    # K block 0 peeled: under its WGMMAs this warpgroup's 64 rows of cos and sin are requested (in
+                    # flight during the main loop); their room held the previous tile's second output half, whose store
+                    # must have read it by then
                     tables = functools.partial(self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin,
                                                tTgS, tTsS, m, c)
-                    if cutlass.const_expr(self.fp8):
-                        nwork = ahead.get_current_work()
-                        if nwork.is_valid_tile:
-                            self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
-                        r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
-                        r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
-                        col0 = n * self.D  # first column of the head in W / y
-                        b0 = col0 // BLOCK
-                        # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
-                        nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
-                        cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
-                        nxt[0] = mSA[(0, r0)]
-                        nxt[1] = mSA[(0, r1)]
-                        blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
-                                  col0 - b0 * BLOCK)
-                        state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
-                        for k in cutlass.range(1, self.k_tiles, unroll=1):
-                            # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
-                            state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
-                        self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
-                    else:
-                        ops = (ring, acc, tCrA, tCrB, k_blocks)
-                        state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, True, tables)
-                        for k in cutlass.range(1, self.k_tiles, unroll=1):
-                            state, rel, tiled_mma = self._k_tile(state, rel, tiled_mma, ops, False)
-                        warpgroup.wait_group(0)
-                        ring.consumer_release(rel)
-                        rel.advance()
+                    nwork = ahead.get_current_work()
+                    if nwork.is_valid_tile:
+                        self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
+                    r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
+                    r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
+                    col0 = n * self.D  # first column of the head in W / y
+                    b0 = col0 // BLOCK
+                    # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
+                    nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
+                    cur = cute.make_rmem_tensor((2 + self.span,), cutlass.Float32)
+                    nxt[0] = mSA[(0, r0)]
+                    nxt[1] = mSA[(0, r1)]
+                    blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
+                              col0 - b0 * BLOCK)
+                    state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
+                    for k in cutlass.range(1, self.k_tiles, unroll=1):
+                        # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
+                        state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
+                    self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
 
                     # -------------------------------------------------------------------------------- epilogue
                     cute.arch.mbarrier_wait(tab_bar, buf)
@@ -491,7 +470,8 @@ class RopeGemmSm90:
                         if ct % 128 == 0:  # the previous store from sY has read it
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
                         store_bar.arrive_and_wait()
-                        self._mx_store(acc, sQh, sQb, tab, row_lo - ROWS_PER_WG * c, q, mS, m * self.bm + row_lo, n, T)
+                        self._mx_store(acc, sQh[(None, None, c)], sQb[(None, None, c)], tab, row_lo - ROWS_PER_WG * c,
+                                       q, mS, m * self.bm + row_lo, n, T)
                         cute.arch.fence_proxy("async.shared", space="cta")
                         store_bar.arrive_and_wait()
                         if ct % 128 == 0:
@@ -558,9 +538,9 @@ class RopeGemmSm90:
         the two warpgroups' main loops take turns and each one's epilogue runs under the other's main loop. A
         warpgroup starts waiting on its tile's stages only once the other has issued its last K tile (`order`: one
         mbarrier per warpgroup): the stage barriers' phases are told apart by parity only, so a waiter may not run more
-        than one phase ahead. The epilogue writes the tile in [64, epi_w] pieces alternating between the warpgroup's two shared-memory tiles
-        (a piece waits only for the store of the piece two before it), with the RoPE tables' rows read from global
-        memory (L2)."""
+        than one phase ahead. The epilogue writes the tile in [64, epi_w] pieces alternating between the warpgroup's two
+        shared-memory tiles (a piece waits only for the store of the piece two before it), with the RoPE tables' rows
+        read from global memory (L2)."""
         wt = tidx % 128
         thr_mma = tiled_mma.get_slice(wt)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -640,19 +620,16 @@ class RopeGemmSm90:
             tab[2 * n + t] = mSin[(r0, i)]
             tab[3 * n + t] = mSin[(r1, i)]
 
-    def _k_tile(self, state, rel, tiled_mma, ops, first: bool, under_first=None):
+    def _k_tile(self, state, rel, tiled_mma, ops, first: bool):
         """bf16 operands: the K tile at ring position `state` (plain Python, traced inline): its WGMMAs accumulate into
-        acc as one group (then `under_first`, for the tile's first); except for the first, the group before it is
-        waited for and its stage (`rel`) released, so one group is in flight while the next is issued. Returns the
-        advanced states and the MMA."""
+        acc as one group; except for the tile's first, the group before it is waited for and its stage (`rel`)
+        released, so one group is in flight while the next is issued. Returns the advanced states and the MMA."""
         ring, acc, tCrA, tCrB, k_blocks = ops
         ring.consumer_wait(state)
         warpgroup.fence()
         for kb in range(k_blocks):
             cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, state.index)], tCrB[0][(None, None, kb, state.index)], acc)
         warpgroup.commit_group()
-        if under_first is not None:
-            under_first()
         if not first:
             warpgroup.wait_group(1)
             ring.consumer_release(rel)
