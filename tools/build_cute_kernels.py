@@ -118,7 +118,9 @@ def export(fn, out: Path, name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--geometry", nargs="*", default=[V3], help="K,H,P,R,D,style (P = qk_head_dim, R = rope dim)")
+    p.add_argument("--geometry", nargs="*", default=[V3],
+                   help="K,H,P,R,D,style[,precision[,query]] (P = qk_head_dim, R = rope dim; without precision: every "
+                        "variant)")
     p.add_argument("--preset", choices=["tests"], help="the GPU lane's configs (instead of --geometry)")
     p.add_argument("--num-sms", type=int, default=132, help="SM count the persistent grid is sized for (H100/H200 SXM)")
     p.add_argument("--out", default="", help="export <key>.so files and the runtime library here")
