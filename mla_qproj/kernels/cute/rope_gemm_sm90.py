@@ -161,7 +161,7 @@ class RopeGemmSm90:
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
-                 split: bool = False):
+                 split: bool = False, overlap: bool = True):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -187,17 +187,23 @@ class RopeGemmSm90:
         # the promotion is compiled once per phase, with each column group's scale known (V3: D = 192, phases 0, 64)
         phases = sorted({(n * D) % BLOCK for n in range(H)})
         self.phases = phases if len(phases) <= max_phases else None
-        # fp8: one K block's WGMMAs cover the whole head (m64nD, a D/2-register block buffer beside the D/2-register
-        # accumulator: 192 of 240 at D = 192), one wait per block; split: two m64n(D/2) sub-tiles through a buffer half
-        # that size, two waits per block (3 % slower at V3; taken where the select form of the promotion needs the
-        # registers). bf16: the WGMMAs accumulate in place; a partial last K tile is zero-filled by TMA
+        # fp8: a K block's WGMMAs cover the head in two m64n(D/2) sub-tiles, issued together into the two halves of a
+        # D/2-register block buffer (beside the D/2-register accumulator: 192 of 240 at D = 192); the first half is
+        # promoted while the second's WGMMAs run (overlap; BENCHMARKS.md, 2026-12-05: 0.88-0.99 of the whole-head
+        # form's time at T = 4096 / 16384 on the H200, 0.98-1.02 at 65536; 1.04-1.09x cuBLAS blockwise on an H100
+        # against 1.06-1.23x for the whole-head form on the H200). overlap=False: one m64nD WGMMA group, one
+        # wait. split, or no compile-time phases (the select form of the promotion needs the registers): two sub-tiles
+        # in turn through a buffer half the size, two waits. D <= 128: the whole head. bf16: the WGMMAs accumulate in
+        # place; a partial last K tile is zero-filled by TMA
         self.k_tiles = -(-K // self.bk)
         # bf16 operands: ping-pong (each consumer warpgroup owns whole [128, D] tiles, every other one of the CTA's, so
         # that one's epilogue runs under the other's main loop: the accumulator is 128·D/128 = D registers a thread,
         # which the fp8 promotion's block buffer beside it would not leave room for); fp8: cooperative (both
         # warpgroups on one tile, 64 rows each)
         self.pingpong = not self.fp8
-        self.parts = 2 if self.fp8 and (split or self.phases is None) and D > 128 and D % 16 == 0 else 1
+        halves = self.fp8 and D > 128 and D % 16 == 0
+        self.parts = 2 if halves and (split or overlap or self.phases is None) else 1
+        self.overlap = self.parts == 2 and overlap and not split and self.phases is not None
         self.sub = D // self.parts
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
@@ -395,6 +401,9 @@ class RopeGemmSm90:
                 acc = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.bn)), cutlass.Float32)
                 blk = cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)), cutlass.Float32)  # one
                 # K block's product before its promotion
+                if cutlass.const_expr(self.overlap):
+                    blk = [blk] + [cute.make_rmem_tensor(tiled_mma.partition_shape_C((self.bm, self.sub)),
+                                                         cutlass.Float32) for _ in range(self.parts - 1)]
                 k_blocks = cute.size(tCrA, mode=[2])
 
                 lane = tidx % 32
@@ -504,27 +513,37 @@ class RopeGemmSm90:
     def _k_block(self, state, tiled_mma, k, blocks, under_first=None):
         """K block k of a tile at ring position `state` (plain Python, traced inline: its loops and branches are
         compile-time): its WGMMAs into blk (zeroed by the first, one group per sub-tile), under them the scale
-        bookkeeping (and `under_first`, for block 0), then the promotion into acc. Returns the advanced state and
-        the MMA (its accumulate flag changed)."""
+        bookkeeping (and `under_first`, for block 0), then the promotion into acc: overlap, every sub-tile's group
+        issued first (blk: one buffer per sub-tile), each promoted once its own group is done; else sub-tile by
+        sub-tile through one buffer. Returns the advanced state and the MMA (its accumulate flag changed)."""
         ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c, off = blocks
         ring.consumer_wait(state)
+        bufs = blk if self.overlap else [blk] * self.parts
+
+        def retire(part, pending):  # wait until `pending` groups are left in flight, then promote sub-tile `part`
+            warpgroup.wait_group(pending)
+            if part == self.parts - 1:
+                ring.consumer_release(state)
+            self._promote(acc, bufs[part], cur, off, part)
+
         for part in range(self.parts):
             warpgroup.fence()
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
             for kb in range(k_blocks):
-                cute.gemm(tiled_mma, blk, tCrA[(None, None, kb, state.index)],
-                          tCrB[part][(None, None, kb, state.index)], blk)
+                cute.gemm(tiled_mma, bufs[part], tCrA[(None, None, kb, state.index)],
+                          tCrB[part][(None, None, kb, state.index)], bufs[part])
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
-            if part == 0:
+            if part == (self.parts - 1 if self.overlap else 0):
                 if under_first is not None:
                     under_first()
                 # the scale bookkeeping (address math, the next block's loads) while the WGMMAs run
                 self._next_scales(cur, nxt, mSA, sSW, k, r0, r1, buf, c)
-            warpgroup.wait_group(0)
-            if part == self.parts - 1:
-                ring.consumer_release(state)
-            self._promote(acc, blk, cur, off, part)
+            if not self.overlap:
+                retire(part, 0)
+        if self.overlap:
+            for part in range(self.parts):
+                retire(part, self.parts - 1 - part)
         state.advance()
         return state, tiled_mma
 
