@@ -73,20 +73,21 @@ def test_host_cpu_profile_tool_runs(tmp_path):
 
 
 @pytest.mark.parametrize("case,kernels,max_regs", [
-    ("rmsnorm_fp8_block T=16384 (train)", {"_rsigma_kernel", "_rmsnorm_fp8_block_packed_kernel"}, 255),
+    ("rmsnorm_fp8_block T=16384 (train)", {"_rsigma_kernel", "_rmsnorm_fp8_block_packed_kernel"}, 168),
     ("rope_fp8_block (default)", {"_rope_fp8_block_packed_kernel"}, 168),
 ])
 def test_compile_sm90_tool_compiles_without_spills(tmp_path, case, kernels, max_regs):
     """tools/compile_sm90.py on this machine (no GPU): the block-FP8 RMSNorm + quantize launch (the rsigma kernel and
     the word-packed quantizer) and the gradient quantizer's default launch compile for sm_90 with no spill stack and
-    no local memory, the gradient kernel within its 168-register cap on Triton 3.6 (uncapped, ptxas gives it 198;
-    Triton 3.9's code needs 253 and runs uncapped), and the tool writes each kernel's SASS where asked."""
+    no local memory, the word-packed quantizer and the gradient kernel within their 168-register caps on Triton 3.6
+    (uncapped, ptxas gives them 211 / 198; Triton 3.9's code needs 243 / 253 and runs uncapped), and the tool writes
+    each kernel's SASS where asked."""
     import os
     import re
 
     import triton
 
-    if case.startswith("rope") and not triton.__version__.startswith("3.6."):
+    if not triton.__version__.startswith("3.6."):
         max_regs = 255
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

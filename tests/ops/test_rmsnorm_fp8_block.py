@@ -104,21 +104,23 @@ def test_rmsnorm_fp8_block_layouts_and_options():
     assert [tuple(o.shape) for o in outs] == [(0,), (0, K), (K // B, 0), (K, 0), (0, K)]
 
 
-@pytest.mark.parametrize("block_k,num_warps", [(128, 4), (128, 8), (128, 16), (256, 8)])
-def test_rmsnorm_fp8_block_packed(block_k, num_warps):
+@pytest.mark.parametrize("block_k,num_warps,reverse", [(128, 4, True), (128, 8, False), (128, 16, False),
+                                                        (256, 8, True)])
+def test_rmsnorm_fp8_block_packed(block_k, num_warps, reverse):
     """The word-packed kernel with 16, 8 and 4 tokens per thread: T = 1 / 17 / 130 (a token word of 4 codes that is
     partly padding, a second 128x1 block), special values, both dtypes of note, with and without the columnwise
-    pair; the same bytes as the byte-transposing kernel."""
+    pair, token tiles in either order; the same bytes as the byte-transposing kernel (tiles in order)."""
     K = 256
     g = torch.Generator().manual_seed(block_k + num_warps)
     w = torch.randn(K, generator=g)
     w[5], w[9] = INF, NAN  # padding rows times an inf / NaN weight: NaN xn, still zero codes in the padding
-    cfg = RMSNormFp8BlockConfig(block_k=block_k, num_warps=num_warps, rs_rows=64, packed=True)
+    cfg = RMSNormFp8BlockConfig(block_k=block_k, num_warps=num_warps, rs_rows=64, packed=True, reverse_tokens=reverse)
     for T, dtype in ((1, torch.bfloat16), (17, torch.float32), (130, torch.bfloat16)):
         x = special_matrix(T, K, dtype, T).to(DEVICE)
         for zc, bs in ((False, "pow2"), (True, "fp32")):
             rsigma, outs = check_rmsnorm(x, w.to(DEVICE), zc, bs, config=cfg)
-            ref = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, zc, bs, config=RMSNormFp8BlockConfig(rs_rows=64))
+            ref = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, zc, bs,
+                                        config=RMSNormFp8BlockConfig(rs_rows=64, reverse_tokens=not reverse))
             for a, b in zip(outs, ref[1:], strict=True):
                 assert_bytes_equal(a, b, f"packed vs bytes T={T} {block_k}/{num_warps}")
         full = rmsnorm_fp8_block_fwd(x, w.to(DEVICE), 1e-6, False, "pow2", config=cfg)
@@ -176,12 +178,14 @@ def test_rmsnorm_fp8_block_gpu(T, block_scale):
     x = (torch.randn(T, K, device="cuda") * 3).to(torch.bfloat16)
     x[5], x[6, 3] = NAN, -NAN
     w = torch.randn(K, device="cuda")
-    rsigma, _ = check_rmsnorm(x, w, False, block_scale)
+    rsigma, _ = check_rmsnorm(x, w, False, block_scale)  # the defaults: token tiles last to first, packed capped
+    check_rmsnorm(x, w, False, block_scale, columnwise=False)
     # compiled: the packed kernel's E4M3 conversion is inline PTX (not run by the interpreter lane); the
     # byte-transposing kernel as well
     for cfg in (RMSNormFp8BlockConfig(num_warps=8, packed=True), RMSNormFp8BlockConfig(block_k=256, packed=True),
                 RMSNormFp8BlockConfig(num_warps=4), RMSNormFp8BlockConfig(),
-                RMSNormFp8BlockConfig(num_warps=4, packed=True, maxnreg=128)):  # a cap that trades registers away
+                RMSNormFp8BlockConfig(num_warps=4, packed=True, maxnreg=128),  # a cap that trades registers away
+                RMSNormFp8BlockConfig(num_warps=4, packed=True, reverse_tokens=False)):  # token tiles in order
         check_rmsnorm(x, w, True, block_scale, config=cfg)
     # T >= 2048: the MXFP8 path's RMSNorm runs the same rsigma kernel with the same launch
     assert_bytes_equal(rsigma, rmsnorm_quant_fwd(x, w, 1e-6, False, "mxfp8", "rceil")[0], "rsigma vs mxfp8 path")

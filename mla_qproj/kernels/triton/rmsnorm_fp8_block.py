@@ -42,13 +42,15 @@ def _rmsnorm_fp8_block_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, row_data_ptr, row_sinv_ptr, col_data_ptr, col_sinv_ptr,
     T, T_pad,
     K: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_SCALE: tl.constexpr,
-    COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr,
+    COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr, REVERSE_T: tl.constexpr,
 ):
     """Program (128 tokens, BLOCK_K columns): xn = x * rsigma * g -> 1x128 codes + M-major scale_inv, and
     (COLUMNWISE) 128x1 codes stored transposed + their scale_inv. NaN in xn is made +NaN (code 0x7F; see
     reference/fp8_block.py: the sign of a computed NaN is platform-defined)."""
     # column tiles on axis 0 by default: programs side by side cover whole rows of x
     i_t = tl.program_id(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64)
+    if REVERSE_T:  # the last token tiles first: those the rsigma kernel read last, likeliest still in L2
+        i_t = tl.num_programs(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64) - 1 - i_t
     i_k = tl.program_id(1 if TOKENS_ON_AXIS0 else 0).to(tl.int64)
     o_t = i_t * 128 + tl.arange(0, 128)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)  # K % BLOCK_K == 0: no column mask
@@ -85,7 +87,7 @@ def _rmsnorm_fp8_block_packed_kernel(
     x_ptr, stride_x, w_ptr, rsigma_ptr, row_w_ptr, row_sinv_ptr, col_w_ptr, col_sinv_ptr,
     T, T_pad,
     K: tl.constexpr, BLOCK_K: tl.constexpr, TJ: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_SCALE: tl.constexpr,
-    COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr,
+    COLUMNWISE: tl.constexpr, TOKENS_ON_AXIS0: tl.constexpr, EMULATED: tl.constexpr, REVERSE_T: tl.constexpr,
 ):
     """`_rmsnorm_fp8_block_kernel`'s bytes from [TR, TJ, BLOCK_K] tiles (token = TR-index * TJ + TJ-index): every
     thread holds TJ consecutive tokens of 8 consecutive columns, so the codes are packed into 32-bit words in
@@ -93,6 +95,8 @@ def _rmsnorm_fp8_block_packed_kernel(
     as words, with no byte shuffles; the 128x1 amax reduces each thread's TJ registers before the cross-thread step."""
     TR: tl.constexpr = 128 // TJ
     i_t = tl.program_id(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64)
+    if REVERSE_T:  # the last token tiles first: those the rsigma kernel read last, likeliest still in L2
+        i_t = tl.num_programs(0 if TOKENS_ON_AXIS0 else 1).to(tl.int64) - 1 - i_t
     i_k = tl.program_id(1 if TOKENS_ON_AXIS0 else 0).to(tl.int64)
     o_r = tl.arange(0, TR)
     o_t = i_t * 128 + o_r[:, None] * TJ + tl.arange(0, TJ)[None, :]  # [TR, TJ]
@@ -139,7 +143,8 @@ class RMSNormFp8BlockConfig:
     """Launch parameters of the quantize kernel (block_k columns per program, num_warps, packed: the word-packed
     kernel, which needs `packed_tokens` in (4, 8, 16)) and of the rsigma kernel (rs_rows tokens per program,
     rs_block_k, rs_warps: rmsnorm_quant's split-form values, which fix rsigma's bits); maxnreg: a cap on the quantize
-    kernel's registers a thread (None: ptxas's choice), which sets how many programs an SM holds."""
+    kernel's registers a thread (None: ptxas's choice), which sets how many programs an SM holds; reverse_tokens:
+    the quantize kernel takes the token tiles last to first (same bytes)."""
 
     block_k: int = 128
     num_warps: int = 8
@@ -148,6 +153,7 @@ class RMSNormFp8BlockConfig:
     rs_warps: int = 4
     packed: bool = False
     maxnreg: int | None = None
+    reverse_tokens: bool = False
 
 
 def packed_tokens(block_k: int, num_warps: int) -> int:
@@ -156,14 +162,25 @@ def packed_tokens(block_k: int, num_warps: int) -> int:
     return 128 * min(32, block_k // 8) // (32 * num_warps)
 
 
+# Triton releases whose packed kernel fits a 168-register cap (sm_90 offline, tools/compile_sm90.py): 3.6 compiles it
+# to 168 registers with no spill (H100, BENCHMARKS.md 2026-12-05: with the token tiles reversed, 0.82-0.86x the
+# uncapped in-order time at T = 4096 / 16384, 0.91x at 65536); 3.9 gives it 243 and spills 320 bytes under the cap
+CAPPED_TRITON = ((3, 6),)
+_PACKED_MAXNREG = 168 if tuple(int(v) for v in triton.__version__.split(".")[:2]) in CAPPED_TRITON else None
+
+
 def default_config(T: int, K: int, device: torch.device, columnwise: bool = True) -> RMSNormFp8BlockConfig:
     """[128 tokens, 128 columns] tiles with 4 warps; with the columnwise form the packed kernel (sm_90 offline,
     K = 1536: 0.49 warp-instructions per element, 211 registers, no spills, against 0.66 / 0.76 for the
-    byte-transposing kernel with 4 / 8 warps), without it the byte-transposing kernel, which then transposes nothing
-    (0.29 against 0.32 packed, 0.31 with 8 warps): SASS statistics (tools/compile_sm90.py). Under the interpreter the
-    rsigma kernel takes 64 tokens per program: fewer (slow) program launches, and the interpreter sums each row alike
-    whatever the rows per program (tests/ops/test_rmsnorm_fp8_block.py compares the bits with rmsnorm_quant's)."""
-    cfg = RMSNormFp8BlockConfig(num_warps=4, packed=bool(columnwise))
+    byte-transposing kernel with 4 / 8 warps) capped at 168 registers (3 programs an SM instead of 2), without it
+    the byte-transposing kernel, which then transposes nothing (0.29 against 0.32 packed, 0.31 with 8 warps): SASS
+    statistics (tools/compile_sm90.py). Both take the token tiles last to first, so that the rows the rsigma kernel
+    read last are quantized first, from L2 (H100: 0.87-0.91x the time in order from 16384 tokens). Under the
+    interpreter the rsigma kernel takes 64 tokens per program: fewer (slow) program launches, and the interpreter
+    sums each row alike whatever the rows per program (tests/ops/test_rmsnorm_fp8_block.py compares the bits with
+    rmsnorm_quant's)."""
+    cfg = RMSNormFp8BlockConfig(num_warps=4, packed=bool(columnwise), reverse_tokens=True,
+                                maxnreg=_PACKED_MAXNREG if columnwise else None)
     if interpreter_enabled() or device.type != "cuda":
         cfg = dataclasses.replace(cfg, rs_rows=64)
     return cfg
@@ -219,7 +236,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
     if config is None and cfg.packed and x2d.stride(0) % 16:
         # a row stride Triton cannot prove 16-aligned: per-element loads, which spill in the packed kernel's
         # registers (sm_90 offline); the byte-transposing kernel instead
-        cfg = dataclasses.replace(cfg, packed=False)
+        cfg = dataclasses.replace(cfg, packed=False, maxnreg=None)
     nb = cfg.block_k // FP8_BLOCK
     if cfg.block_k % FP8_BLOCK or nb & (nb - 1) or K % cfg.block_k:
         raise ValueError(f"config.block_k ({cfg.block_k}) must be {FP8_BLOCK} times a power of two and divide K ({K})")
@@ -246,7 +263,7 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
             col_w_ptr=(cd if columnwise else rd).view(torch.int32), col_sinv_ptr=cs if columnwise else rs,
             T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, TJ=tj, ZERO_CENTERED=bool(zero_centered_gamma),
             BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
-            TOKENS_ON_AXIS0=tokens_on_axis0,
+            TOKENS_ON_AXIS0=tokens_on_axis0, REVERSE_T=cfg.reverse_tokens,
             EMULATED=emulated, num_warps=cfg.num_warps, **cap,
         )
         return outs
@@ -257,7 +274,8 @@ def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, e
         col_data_ptr=(cd if columnwise else rd).view(torch.uint8), col_sinv_ptr=cs if columnwise else rs,
         T=T, T_pad=cd.shape[1], K=K, BLOCK_K=cfg.block_k, ZERO_CENTERED=bool(zero_centered_gamma),
         BLOCK_SCALE=_fp8_block.block_scale_code(block_scale), COLUMNWISE=bool(columnwise),
-        TOKENS_ON_AXIS0=tokens_on_axis0, EMULATED=_op.emulated(x2d.device), num_warps=cfg.num_warps,
+        TOKENS_ON_AXIS0=tokens_on_axis0, REVERSE_T=cfg.reverse_tokens, EMULATED=_op.emulated(x2d.device),
+        num_warps=cfg.num_warps,
         **cap,
     )
     return outs
