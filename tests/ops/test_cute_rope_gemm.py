@@ -8,6 +8,7 @@ the decoded values close)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -104,6 +105,13 @@ def test_offline_compile_sass(geom, style, precision, query, tmp_path):
     assert rep["STACK"] <= 32 and rep["LDL"] + rep["STL"] <= 8, {k: rep[k] for k in ("LDL", "STL", "STACK")}
     mx = query == "mxfp8"
     assert ("SATFINITE.E4M3" in rep["sass"]) == mx and ("STG.E.U8" in rep["sass"]) == mx
+    if fp8:
+        # a head covered in two halves (m64n(D/2) WGMMAs); where the promotion is compiled per head phase (q_head_dim
+        # 192 here: phases 0 and 64) the two groups are in flight together and the first half is promoted after a
+        # wait that leaves one group running (DEPBAR 0x1); else (176: eight phases) they run in turn, each waited to 0
+        D = cfg.q_head_dim
+        assert re.search(rf"QGMMA\.64x{D // 2}x32\b", rep["sass"]) and f"QGMMA.64x{D}x" not in rep["sass"], D
+        assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in rep["sass"]) == (D == 192), D
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU
