@@ -21,6 +21,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"tests bench kernels"}
 export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # a probe script under tools/ imports mla_qproj from this tree
 export MLA_QPROJ_TESTS=${MLA_QPROJ_TESTS:-full}  # the slow tier too
 summary=()
 status=0
