@@ -189,9 +189,8 @@ class RopeGemmSm90:
         self.phases = phases if len(phases) <= max_phases else None
         # fp8: a K block's WGMMAs cover the head in two m64n(D/2) sub-tiles, issued together into the two halves of a
         # D/2-register block buffer (beside the D/2-register accumulator: 192 of 240 at D = 192); the first half is
-        # promoted while the second's WGMMAs run (overlap; BENCHMARKS.md, 2026-12-05: 0.88-0.99 of the whole-head
-        # form's time at T = 4096 / 16384 on the H200, 0.98-1.02 at 65536; 1.04-1.09x cuBLAS blockwise on an H100
-        # against 1.06-1.23x for the whole-head form on the H200). overlap=False: one m64nD WGMMA group, one
+        # promoted while the second's WGMMAs run, so the promotion's FFMAs hide under the tensor cores (overlap;
+        # measured against the whole-head form in BENCHMARKS.md). overlap=False: one m64nD WGMMA group, one
         # wait. split, or no compile-time phases (the select form of the promotion needs the registers): two sub-tiles
         # in turn through a buffer half the size, two waits. D <= 128: the whole head. bf16: the WGMMAs accumulate in
         # place; a partial last K tile is zero-filled by TMA

@@ -291,6 +291,12 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def cap_on_releases(maxnreg: int, releases: tuple[tuple[int, int], ...]) -> int | None:
+    """maxnreg where the running Triton's (major, minor) is one of `releases` (those whose code for the kernel was
+    checked offline to fit the cap without spilling), else None: the cap is a fact about one compiler's code."""
+    return maxnreg if tuple(int(v) for v in triton.__version__.split(".")[:2]) in releases else None
+
+
 def register_cap(maxnreg: int | None) -> dict:
     """Launch options for a cap on a kernel's registers a thread (Triton's `maxnreg`; none when None). The cap is
     what lets an SM hold one more program of a register-heavy kernel: 65536 registers, allocated 8 a thread."""

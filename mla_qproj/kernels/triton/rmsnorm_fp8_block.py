@@ -24,7 +24,7 @@ from ..._config import QProjConfig, interpreter_enabled
 from ..._constants import FP8_BLOCK
 from .. import _op
 from . import _fp8_block
-from ._common import amax, cdiv, register_cap
+from ._common import amax, cap_on_releases, cdiv, register_cap
 from ._fp8_block import (
     encode_operand,
     fp8_block_scale,
@@ -163,10 +163,9 @@ def packed_tokens(block_k: int, num_warps: int) -> int:
 
 
 # Triton releases whose packed kernel fits a 168-register cap (sm_90 offline, tools/compile_sm90.py): 3.6 compiles it
-# to 168 registers with no spill (H100, BENCHMARKS.md 2026-12-05: with the token tiles reversed, 0.82-0.86x the
-# uncapped in-order time at T = 4096 / 16384, 0.91x at 65536); 3.9 gives it 243 and spills 320 bytes under the cap
+# to 168 registers with no spill; 3.9 gives it 243 and spills under the cap, so it runs uncapped there
 CAPPED_TRITON = ((3, 6),)
-_PACKED_MAXNREG = 168 if tuple(int(v) for v in triton.__version__.split(".")[:2]) in CAPPED_TRITON else None
+_PACKED_MAXNREG = cap_on_releases(168, CAPPED_TRITON)
 
 
 def default_config(T: int, K: int, device: torch.device, columnwise: bool = True) -> RMSNormFp8BlockConfig:
@@ -175,7 +174,7 @@ def default_config(T: int, K: int, device: torch.device, columnwise: bool = True
     byte-transposing kernel with 4 / 8 warps) capped at 168 registers (3 programs an SM instead of 2), without it
     the byte-transposing kernel, which then transposes nothing (0.29 against 0.32 packed, 0.31 with 8 warps): SASS
     statistics (tools/compile_sm90.py). Both take the token tiles last to first, so that the rows the rsigma kernel
-    read last are quantized first, from L2 (H100: 0.87-0.91x the time in order from 16384 tokens). Under the
+    read last are quantized first, from L2 (measured: BENCHMARKS.md). Under the
     interpreter the rsigma kernel takes 64 tokens per program: fewer (slow) program launches, and the interpreter
     sums each row alike whatever the rows per program (tests/ops/test_rmsnorm_fp8_block.py compares the bits with
     rmsnorm_quant's)."""

@@ -31,7 +31,7 @@ from ..._config import ROPE_STYLES, QProjConfig, validate_choice
 from ..._constants import FP8_BLOCK
 from .. import _op
 from . import _fp8_block
-from ._common import amax, cdiv, check_pair_tables, register_cap, rope_sources
+from ._common import amax, cap_on_releases, cdiv, check_pair_tables, register_cap, rope_sources
 from ._fp8_block import (
     encode_operand,
     fp8_block_scale,
@@ -280,7 +280,7 @@ def packed_tokens(unit: int, num_warps: int) -> int:
 # Triton releases whose code for the contiguous kernel fits 168 registers without spilling (sm_90, offline): 3.6
 # gives it 198 uncapped and 168 with no spill; 3.9 gives it 253 and spills under any cap up to 200
 CAPPED_TRITON = ((3, 6),)
-_CONTIGUOUS_MAXNREG = 168 if tuple(int(v) for v in triton.__version__.split(".")[:2]) in CAPPED_TRITON else None
+_CONTIGUOUS_MAXNREG = cap_on_releases(168, CAPPED_TRITON)
 
 
 def default_config(qk_head_dim: int, rope_dim: int, head_dim: int, rope_style: str,
