@@ -1,6 +1,7 @@
 """Compile the CuTe DSL engine's kernels for sm_90a without a GPU, report their SASS, and optionally export them.
 
     python tools/build_cute_kernels.py [--geometry K,H,P,R,D,style[,precision[,query]] ...] [--num-sms 132] [--out DIR]
+                                       [--preset tests] [--rmsnorm K ...] [--rmsnorm-only]
 
 For each geometry (default: DeepSeek-V3's query, 1536,128,128,64,192,deepseek, with FP8 and bf16 operands and a bf16
 and an MXFP8 query: four kernels; precision fp8_block / mxfp8 / bf16, query bf16 / mxfp8 / mxfp8floor name one):
@@ -11,6 +12,13 @@ between the first WGMMA and the last wait on one, where they would cost every K 
 kernel as a shared object `<key>.so` (the file `mla_qproj.kernels.cute.rope_gemm` loads from
 `MLA_QPROJ_CUTE_KERNELS=DIR`) and copy the CuTe DSL runtime library beside them, so that a machine with only
 `apache-tvm-ffi` installed can run them.
+
+The RMSNorm + block-scaled FP8 quantize kernel (`rmsnorm_fp8_block_sm90.py`): --rmsnorm K builds it for these K
+(training and inference, fp32 and bf16 norm weights, both gamma forms, pow2 scales); --preset tests adds the GPU lane's
+(tests/ops/test_cute_rmsnorm_fp8_block.py); --rmsnorm-only skips the GEMM kernels. Its report: registers, stack,
+LDL / STL, cluster barriers (UCGABAR_ARV / _WAIT), distributed-shared-memory loads (LD.E: generic loads, the kernel's
+only ones are ld.shared::cluster), 16-byte global loads (LDG.E.128), E4M3 conversions (F2FP ... E4M3), 8- and 16-byte
+code stores, shuffles.
 
 Needs `nvidia-cutlass-dsl`, `apache-tvm-ffi` and (for the SASS) `nvidia-cuda-cuobjdump`; --out also needs a C
 compiler (`c++`) to link the shared objects.
@@ -27,10 +35,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mla_qproj._config import QProjConfig  # noqa: E402
-from mla_qproj.kernels.cute import rope_gemm  # noqa: E402
+from mla_qproj.kernels.cute import rmsnorm_fp8_block, rope_gemm  # noqa: E402
 
 V3 = "1536,128,128,64,192,deepseek"
 VARIANTS = (("fp8_block", "bf16"), ("fp8_block", "mxfp8"), ("mxfp8", "bf16"), ("mxfp8", "mxfp8"))
@@ -39,6 +49,10 @@ VARIANTS = (("fp8_block", "bf16"), ("fp8_block", "mxfp8"), ("mxfp8", "bf16"), ("
 TEST_GEOMETRIES = [f"1536,128,128,64,192,{s}" for s in ("deepseek", "neox", "gptj")] + [
     "256,4,128,64,192,deepseek", "512,8,96,64,192,gptj", "640,4,128,64,192,deepseek", "128,4,128,64,192,neox",
     "384,4,64,64,128,deepseek", "256,4,48,64,128,deepseek"]
+# --preset tests: the RMSNorm kernels the GPU lane asks for: (K, columnwise, norm-weight dtype, zero-centered, block
+# scale); K = 1536 in every form, K = 512 (a cluster of 2) in the forms the tests run
+RMS_TEST_K = (1536, 512)
+RMS_COUNTED = ("LDL", "STL", "UCGABAR_ARV", "UCGABAR_WAIT", "LDG.E.128", "STG.E.128", "STG.E.64", "SHFL")
 COUNTED = ("QGMMA", "HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "LDL", "STL", "FFMA", "FMUL", "FADD", "STS", "LDG")
 
 
@@ -89,6 +103,37 @@ def sass_report(cubin: bytes) -> dict:
     return {"REG": int(m.group(1)), "STACK": int(m.group(2)), **counts, "LOOP_LDL_STL": spills, "sass": sass}
 
 
+def rms_variants(K: int) -> list[tuple]:
+    """The RMSNorm kernels built for K: training and inference x fp32 / bf16 norm weight x gamma forms, pow2; and the
+    fp32 scale rule for training with an fp32 weight."""
+    import torch
+
+    out = [(K, cw, w, zc, "pow2") for cw in (True, False) for w in (torch.float32, torch.bfloat16)
+           for zc in (False, True)]
+    return out + [(K, True, torch.float32, zc, "fp32") for zc in (False, True)]
+
+
+def rms_sass_report(cubin: bytes) -> dict:
+    """Registers, stack and the RMSNorm kernel's instruction counts (module docstring), and CTAs an SM by registers."""
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "k.cubin"
+        f.write_bytes(cubin)
+        exe = cuobjdump()
+        res = subprocess.run([exe, "-res-usage", str(f)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([exe, "-sass", str(f)], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    reg = int(m.group(1))
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}(?![A-Z0-9_.])", sass)) for op in RMS_COUNTED}
+    counts["LDL"] = len(re.findall(r"\bLDL\b", sass))
+    counts["STL"] = len(re.findall(r"\bSTL\b", sass))
+    counts["SHFL"] = len(re.findall(r"\bSHFL\.", sass))
+    counts["LDG.E.128"] = len(re.findall(r"\bLDG\.E\.128\b", sass))  # (.CONSTANT: the non-coherent path)
+    counts["DSMEM_LD"] = len(re.findall(r"\bLD\.E\b", sass))
+    counts["F2FP_E4M3"] = len(re.findall(r"\bF2FP\.[A-Z0-9_.]*E4M3", sass))
+    ctas = 65536 // (256 * -(-reg // 8) * 8)  # 256 threads a CTA, registers allocated in units of 8 a thread
+    return {"REG": reg, "STACK": int(m.group(2)), "CTAS_PER_SM_BY_REG": ctas, **counts, "sass": sass}
+
+
 def compile_one(cfg: QProjConfig, num_sms: int, dump_dir: str):
     """(compiled function, cubin bytes)."""
     fn = rope_gemm.compile_kernel(cfg, num_sms, options=f"--keep-cubin --dump-dir={dump_dir}")
@@ -98,13 +143,22 @@ def compile_one(cfg: QProjConfig, num_sms: int, dump_dir: str):
     return fn, cubin
 
 
-def export(fn, out: Path, name: str) -> Path:
+def compile_rms(variant: tuple, dump_dir: str):
+    """(compiled RMSNorm function, cubin bytes) of a `rms_variants` entry."""
+    fn = rmsnorm_fp8_block.compile_kernel(*variant, options=f"--keep-cubin --dump-dir={dump_dir}")
+    cubin = fn.__cubin__
+    if not isinstance(cubin, bytes):
+        raise RuntimeError("the compile kept no cubin")
+    return fn, cubin
+
+
+def export(fn, out: Path, name: str, function: str = rope_gemm.FUNCTION) -> Path:
     """Write out/<name>.so: the compiled function as a TVM-FFI shared object, linked against the CuTe DSL runtime."""
     import tvm_ffi
     from cutlass.cute.runtime import find_runtime_libraries
 
     obj = out / f"{name}.o"
-    fn.export_to_c(str(obj), function_name=rope_gemm.FUNCTION)
+    fn.export_to_c(str(obj), function_name=function)
     runtime = Path(find_runtime_libraries(enable_tvm_ffi=False)[0])
     tvm_lib = Path(tvm_ffi.__file__).parent / "lib"
     so = out / f"{name}.so"
@@ -125,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-sms", type=int, default=132, help="SM count the persistent grid is sized for (H100/H200 SXM)")
     p.add_argument("--out", default="", help="export <key>.so files and the runtime library here")
     p.add_argument("--sass", default="", help="write each kernel's SASS to this folder")
+    p.add_argument("--rmsnorm", nargs="*", type=int, default=[],
+                   help="also build the RMSNorm + fp8_block quantize kernels for these K")
+    p.add_argument("--rmsnorm-only", action="store_true", help="build no GEMM kernel (only the RMSNorm ones)")
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else None
     if out:
@@ -134,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         cfgs = [c for g in args.geometry for c in parse_geometry(g)]
         if args.preset == "tests":
             cfgs = [c for g in TEST_GEOMETRIES for c in parse_geometry(g) + parse_geometry(g + ",mxfp8,mxfp8floor")]
+        rms_k = list(dict.fromkeys(list(args.rmsnorm) + (list(RMS_TEST_K) if args.preset == "tests" else [])))
+        if args.rmsnorm_only:
+            cfgs = []
         for cfg in cfgs:
             name = rope_gemm.key(cfg, args.num_sms)
             if not rope_gemm.supported(cfg):
@@ -149,6 +209,22 @@ def main(argv: list[str] | None = None) -> int:
             ok &= rep["QGMMA"] + rep["HGMMA"] > 0 and rep["LOOP_LDL_STL"] == 0 and rep["USETMAXREG"] >= 2
             if out:
                 print("  ->", export(fn, out, name))
+        for variant in (v for K in rms_k for v in rms_variants(K)):
+            name = rmsnorm_fp8_block.key(*variant)
+            if not rmsnorm_fp8_block.supported(variant[0], torch.bfloat16, variant[2], variant[4]):
+                print(f"{name}: not a geometry the RMSNorm kernel covers")
+                ok = False
+                continue
+            fn, cubin = compile_rms(variant, dump)
+            rep = rms_sass_report(cubin)
+            if args.sass:
+                Path(args.sass).mkdir(parents=True, exist_ok=True)
+                (Path(args.sass) / f"{name}.sass").write_text(rep["sass"])
+            print(f"{name}: " + " ".join(f"{k}={v}" for k, v in rep.items() if k != "sass"))
+            ok &= (rep["STACK"] == 0 and rep["LDL"] + rep["STL"] == 0 and rep["UCGABAR_ARV"] >= 2
+                   and rep["DSMEM_LD"] >= 1 and rep["LDG.E.128"] >= 16 and rep["F2FP_E4M3"] > 0)
+            if out:
+                print("  ->", export(fn, out, name, rmsnorm_fp8_block.FUNCTION))
     return 0 if ok else 1
 
 
