@@ -17,7 +17,15 @@ from pathlib import Path
 import torch
 
 from . import rope_gemm
-from .rope_gemm import ENV_KERNELS, RUNTIME_LIB, _dsl_available, _enabled, _load_runtime, _say_once  # noqa: F401
+from .rope_gemm import (  # noqa: F401 (ENV_DISABLE, RUNTIME_LIB: re-exported for the tests and tools)
+    ENV_DISABLE,
+    ENV_KERNELS,
+    RUNTIME_LIB,
+    _dsl_available,
+    _enabled,
+    _load_runtime,
+    _say_once,
+)
 
 FUNCTION = "rmsnorm_fp8_block"
 BLOCK_SCALES = ("pow2", "fp32")  # "deepseek" stays on the Triton kernels

@@ -48,6 +48,7 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
+import cutlass.memory
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -247,7 +248,7 @@ class RMSNormFp8BlockSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sPart = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # this CTA's partials
         sRs = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # rsigma of the tile
         sRowSc = smem.allocate_tensor(F32, cute.make_layout((TOKENS, 2, 8)), byte_alignment=16)  # (token, blk, warp)
