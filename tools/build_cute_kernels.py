@@ -49,9 +49,9 @@ VARIANTS = (("fp8_block", "bf16"), ("fp8_block", "mxfp8"), ("mxfp8", "bf16"), ("
 TEST_GEOMETRIES = [f"1536,128,128,64,192,{s}" for s in ("deepseek", "neox", "gptj")] + [
     "256,4,128,64,192,deepseek", "512,8,96,64,192,gptj", "640,4,128,64,192,deepseek", "128,4,128,64,192,neox",
     "384,4,64,64,128,deepseek", "256,4,48,64,128,deepseek"]
-# --preset tests: the RMSNorm kernels the GPU lane asks for: (K, columnwise, norm-weight dtype, zero-centered, block
-# scale); K = 1536 in every form, K = 512 (a cluster of 2) in the forms the tests run
-RMS_TEST_K = (1536, 512)
+# --preset tests: the RMSNorm kernels the GPU lane asks for, every variant of each K (the launcher serves a K only with
+# all four training / inference x gamma forms at hand): DeepSeek-V3's K = 1536 (clusters of 6), 512 (2), 2048 (8)
+RMS_TEST_K = (1536, 512, 2048)
 RMS_COUNTED = ("LDL", "STL", "UCGABAR_ARV", "UCGABAR_WAIT", "LDG.E.128", "STG.E.128", "STG.E.64", "SHFL")
 COUNTED = ("QGMMA", "HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "LDL", "STL", "FFMA", "FMUL", "FADD", "STS", "LDG")
 
@@ -104,13 +104,10 @@ def sass_report(cubin: bytes) -> dict:
 
 
 def rms_variants(K: int) -> list[tuple]:
-    """The RMSNorm kernels built for K: training and inference x fp32 / bf16 norm weight x gamma forms, pow2; and the
-    fp32 scale rule for training with an fp32 weight."""
-    import torch
-
-    out = [(K, cw, w, zc, "pow2") for cw in (True, False) for w in (torch.float32, torch.bfloat16)
-           for zc in (False, True)]
-    return out + [(K, True, torch.float32, zc, "fp32") for zc in (False, True)]
+    """The RMSNorm kernels built for K (`compile_kernel`'s arguments): training and inference x fp32 / bf16 norm
+    weight x gamma forms x pow2 / fp32 scales, 16 kernels."""
+    return [(K, cw, w, zc, bs) for bs in ("pow2", "fp32") for cw in (True, False)
+            for w in (torch.float32, torch.bfloat16) for zc in (False, True)]
 
 
 def rms_sass_report(cubin: bytes) -> dict:

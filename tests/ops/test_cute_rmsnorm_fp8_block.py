@@ -31,6 +31,9 @@ from conftest import HAS_CUDA, examples
 HAS_DSL = importlib.util.find_spec("cutlass") is not None and importlib.util.find_spec("tvm_ffi") is not None
 B = F.FP8_BLOCK
 F8 = torch.float8_e4m3fn
+# cluster sizes (K / 256) the GPU property draws: every one where the DSL compiles, else the prebuilt Ks
+# (tools/build_cute_kernels.py --preset tests: 512, 1536, 2048)
+CLUSTERS = [1, 2, 4, 6, 8] if HAS_DSL else [2, 6, 8]
 
 
 def _tools():
@@ -317,7 +320,7 @@ def test_gpu_special_values(T, K):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @settings(max_examples=examples(12), deadline=None)
-@given(T=st.integers(1, 700), kc=st.sampled_from([1, 2, 4, 6, 8]), log_scale=st.integers(-30, 30),
+@given(T=st.integers(1, 700), kc=st.sampled_from(CLUSTERS), log_scale=st.integers(-30, 30),
        zc=st.booleans(), columnwise=st.booleans(), bs=st.sampled_from(["pow2", "fp32"]),
        w_bf16=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_gpu_property(T, kc, log_scale, zc, columnwise, bs, w_bf16, seed):

@@ -59,14 +59,14 @@ def serves(x2d: torch.Tensor, norm_weight: torch.Tensor, block_scale: str) -> bo
         T, K = x2d.shape
         if not supported(K, x2d.dtype, norm_weight.dtype, block_scale):
             return False
-        if x2d.stride(1) != 1 or (T > 1 and x2d.stride(0) != K) or norm_weight.shape[0] != K:
+        if x2d.stride(1) != 1 or x2d.stride(0) != K or norm_weight.shape[0] != K:
             return False
         if norm_weight.stride(0) != 1 or norm_weight.device != x2d.device:
             return False
         if x2d.data_ptr() % 16 or norm_weight.data_ptr() % 16 or -(-T // 128) > MAX_TILES:
             return False
         index = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
-        return _serves(index, os.environ.get(ENV_KERNELS, ""))
+        return _serves(index, os.environ.get(ENV_KERNELS, ""), K, str(norm_weight.dtype), block_scale)
     except Exception:  # a broken install or device query: the Triton kernels run
         return False
 
@@ -75,24 +75,27 @@ _SERVES: dict[tuple, bool] = {}
 
 
 @torch.compiler.assume_constant_result  # no file-system calls in a graph
-def _serves(index: int, prebuilt: str) -> bool:
-    """sm_90 and a kernel source (prebuilt directory or the DSL): decided once per device and directory."""
-    got = _SERVES.get((index, prebuilt))
+def _serves(index: int, prebuilt: str, K: int, w_dtype: str, block_scale: str) -> bool:
+    """sm_90 and a kernel source for every variant the call may ask for (training and inference, both gamma forms:
+    the Triton launcher asks before it knows them): the prebuilt files, or the DSL. Decided once per key."""
+    k = (index, prebuilt, K, w_dtype, block_scale)
+    got = _SERVES.get(k)
     if got is None:
-        got = _SERVES[(index, prebuilt)] = _decide(index, prebuilt)
+        got = _SERVES[k] = _decide(*k)
     return got
 
 
-def _decide(index: int, prebuilt: str) -> bool:
+def _decide(index: int, prebuilt: str, K: int, w_dtype: str, block_scale: str) -> bool:
     if torch.cuda.get_device_capability(index) != (9, 0):
         return False
-    if prebuilt and any(Path(prebuilt).glob("rmsnorm_fp8_block_*.so")):
+    wdt = torch.float32 if w_dtype == str(torch.float32) else torch.bfloat16
+    names = [key(K, cw, wdt, zc, block_scale) for cw in (True, False) for zc in (True, False)]
+    if prebuilt and all((Path(prebuilt) / f"{n}.so").is_file() for n in names):
         return True
     if _dsl_available():
         return True
     _say_once("mla_qproj: fp8_block RMSNorm + quantize on the Triton kernels: the CuTe DSL engine is not installed "
-              "(pip install 'mla_qproj[cute]') and no prebuilt RMSNorm kernel is in "
-              f"{ENV_KERNELS}={prebuilt!r}")
+              f"(pip install 'mla_qproj[cute]') and {ENV_KERNELS}={prebuilt!r} lacks some of " + ", ".join(names))
     return False
 
 
