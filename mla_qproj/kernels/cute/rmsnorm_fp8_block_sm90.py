@@ -13,8 +13,8 @@ owns tokens [16 w, 16 w + 16) of the tile, lane l columns [8 l, 8 l + 8) of the 
 first row block, 16-31: its second), so a thread holds 16 tokens x 8 columns = 64 packed bf16x2 registers:
 - x is loaded once, all 16 loads of a thread issued up front (16-byte `ld.global.nc.v4`, each a warp's 512 contiguous
   bytes of one row; rows past T are predicated off and read as 0), and stays in registers to the end: 64 registers
-  of data, ~100 in all, two CTAs an SM (two CTAs' 128 KB of loads in flight; one CTA's compute overlaps the other's
-  loads) with shared memory to spare (~11 KB a CTA).
+  of data, 128 in all (ptxas, sm_90a: no spills), two CTAs an SM (two CTAs' 128 KB of loads in flight; one CTA's
+  compute overlaps the other's loads) with shared memory to spare (~11 KB a CTA).
 - sum of squares: fma over the thread's 8 columns per token, then a transposed butterfly over the warp (xor 16, 8, 4,
   2 halve the 16 tokens a lane keeps, xor 1 ends it: 16 shuffles for 16 tokens instead of 80) leaves each lane pair
   the CTA's partial of one token (the warp spans all 256 columns of the CTA). Partials go to shared memory; a cluster
