@@ -93,7 +93,7 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
     out.append(("RMSNorm backward", T * K * (4 + 2 + 2) + 4 * T,
                 lambda: rmsnorm_bwd(dxn, x, rs, g, False)))
     # block-scaled FP8 (SPEC §5): codes 1 byte, one fp32 scale per 128 elements
-    from .kernels.triton.rmsnorm_fp8_block import rmsnorm_fp8_block_fwd
+    from .kernels.triton.rmsnorm_fp8_block import default_config, rmsnorm_fp8_block_fwd
     from .kernels.triton.rope_fp8_block import rope_fp8_block_bwd
 
     kw8 = {k: v for k, v in kw.items() if k not in ("inverse", "scale_mode")}
@@ -103,6 +103,12 @@ def rows(T: int) -> list[tuple[str, float, float, float]]:
                 lambda: rmsnorm_fp8_block_fwd(x, g, 1e-6, False, "pow2", True)))
     out.append(("fp8_block: RMSNorm + xn quant (inference)", T * K * (2 + 1) + T * K / 32 + 4 * T,
                 lambda: rmsnorm_fp8_block_fwd(x, g, 1e-6, False, "pow2", False)))
+    # the two Triton kernels (rsigma, then quantize) that run where the CuTe DSL kernel does not, side by side
+    tri_train, tri_infer = (default_config(T, K, x.device, cw) for cw in (True, False))
+    out.append(("fp8_block: RMSNorm + xn quant (training, Triton)", T * K * (2 + 1 + 1) + 2 * T * K / 32 + 4 * T,
+                lambda: rmsnorm_fp8_block_fwd(x, g, 1e-6, False, "pow2", True, tri_train)))
+    out.append(("fp8_block: RMSNorm + xn quant (inference, Triton)", T * K * (2 + 1) + T * K / 32 + 4 * T,
+                lambda: rmsnorm_fp8_block_fwd(x, g, 1e-6, False, "pow2", False, tri_infer)))
     return [(name, nbytes, _bench(fn), graph_ms(fn)) for name, nbytes, fn in out]
 
 

@@ -215,17 +215,34 @@ def _check(x2d, norm_weight, eps):
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
 
 
+def _cute_serves(x2d: torch.Tensor, norm_weight: torch.Tensor, block_scale: str) -> bool:
+    """The CuTe DSL kernel (kernels/cute/rmsnorm_fp8_block.py: x read once) runs this call: sm_90, a geometry and
+    dtypes it covers, a kernel to be had, `MLA_QPROJ_CUTE` not "0"."""
+    if x2d.device.type != "cuda":
+        return False
+    from ..cute import rmsnorm_fp8_block as cute_rmsnorm
+
+    return cute_rmsnorm.serves(x2d, norm_weight, block_scale)
+
+
 def rmsnorm_fp8_block_fwd(x2d: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, zero_centered_gamma: bool,
                           block_scale: str = "pow2", columnwise: bool = True,
                           config: RMSNormFp8BlockConfig | None = None) -> tuple[torch.Tensor, ...]:
     """x2d [T, K] (K % 128 == 0, unit inner stride, any row stride; fp32 / bf16 / fp16) -> the five tensors of
     `rmsnorm_fp8_block_outputs`. columnwise=False (inference) skips the 128x1 form. norm_weight None: no RMSNorm
-    (SPEC §7): x itself is quantized, as xn = x · 1 · 1 through the same kernels (rsigma returned as ones)."""
+    (SPEC §7): x itself is quantized, as xn = x · 1 · 1 through the same kernels (rsigma returned as ones).
+    config None: where the CuTe DSL kernel serves the call (`_cute_serves`), it runs instead of the two Triton
+    kernels: the same bytes given its rsigma, whose fp32 summation order is its own (so its rsigma may differ from the
+    MXFP8 path's in the last bits); an explicit config always runs the Triton kernels."""
     no_norm = norm_weight is None
     if no_norm:
         norm_weight, zero_centered_gamma = torch.ones(x2d.shape[-1], device=x2d.device, dtype=torch.float32), False
     _check(x2d, norm_weight, eps)
     _fp8_block.check_block_scale(block_scale)
+    if config is None and not no_norm and _cute_serves(x2d, norm_weight, block_scale):
+        from ..cute.rmsnorm_fp8_block import rmsnorm_fp8_block
+
+        return rmsnorm_fp8_block(x2d, norm_weight, eps, zero_centered_gamma, block_scale, columnwise)
     outs = rmsnorm_fp8_block_outputs(x2d, columnwise)
     rsigma, rd, rs, cd, cs = outs
     T, K = x2d.shape
