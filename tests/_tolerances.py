@@ -54,8 +54,9 @@ def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor, label: str) -> None:
     """Byte-identical tensors; on failure report how many differ and the first mismatch."""
     assert a.shape == b.shape, f"{label}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
     assert a.dtype == b.dtype, f"{label}: dtype {a.dtype} vs {b.dtype}"
-    ab = a.detach().cpu().contiguous().view(torch.uint8)
-    bb = b.detach().cpu().contiguous().view(torch.uint8)
+    # a copy in the standard strides: `.contiguous()` keeps a size-1 dimension's odd stride, which `.view` rejects
+    ab = torch.empty(a.shape, dtype=a.dtype).copy_(a.detach()).view(torch.uint8)
+    bb = torch.empty(b.shape, dtype=b.dtype).copy_(b.detach()).view(torch.uint8)
     diff = ab != bb
     if diff.any():
         idx = diff.nonzero()[0].tolist()
@@ -73,8 +74,9 @@ def code_match_fraction(a: torch.Tensor, b: torch.Tensor, min_frac: float | None
     tensor's average cannot hide (one wrong [128, 128] tile of a DeepSeek-V3 query is 1/24576 of it). dense: the
     decoded values (same shape as the codes); a tile over the code budget then passes if its decoded values agree
     within REL_ERR_TILE_REQUANT (requantized rows, not wrong ones)."""
-    ab = a.detach().cpu().contiguous().view(torch.uint8)
-    bb = b.detach().cpu().contiguous().view(torch.uint8)
+    # a copy in the standard strides: `.contiguous()` keeps a size-1 dimension's odd stride, which `.view` rejects
+    ab = torch.empty(a.shape, dtype=a.dtype).copy_(a.detach()).view(torch.uint8)
+    bb = torch.empty(b.shape, dtype=b.dtype).copy_(b.detach()).view(torch.uint8)
     if not ab.numel():
         return 1.0
     diff = ab != bb

@@ -47,8 +47,10 @@ def _reference(x, w, rsigma, zc, columnwise):
 
 def _bytes_eq(a, b) -> int:
     """Number of differing bytes."""
-    return int((a.detach().cpu().contiguous().view(torch.uint8) != b.detach().cpu().contiguous().view(torch.uint8))
-               .sum())
+    def u8(t):  # standard strides (a size-1 dimension's odd stride survives `.contiguous()`)
+        return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).view(torch.uint8)
+
+    return int((u8(a) != u8(b)).sum())
 
 
 def check(T: int) -> bool:
@@ -99,6 +101,13 @@ def bench(T: int) -> None:
               lambda: tri.rmsnorm_fp8_block_fwd(x, w, 1e-6, False, "pow2", True, cfg_t)),
              ("Triton RMSNorm + quant (inference)", infer_b,
               lambda: tri.rmsnorm_fp8_block_fwd(x, w, 1e-6, False, "pow2", False, cfg_i)),
+             ("CuTe training, a cluster per tile", train_b,
+              lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", True, n_clusters=1 << 30)),
+             ("CuTe inference, a cluster per tile", infer_b,
+              lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", False, n_clusters=1 << 30)),
+             ("CuTe training, half the resident clusters", train_b,
+              lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", True,
+                                                 n_clusters=cute_rms.resident_clusters(x.device, K) // 2)),
              ("launcher default (training)", train_b,
               lambda: tri.rmsnorm_fp8_block_fwd(x, w, 1e-6, False, "pow2", True))]
     res = [(name, nb, graph_ms(fn)) for name, nb, fn in rows]

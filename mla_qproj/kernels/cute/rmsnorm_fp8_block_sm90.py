@@ -169,6 +169,19 @@ def _stg2(addr: cutlass.Int64, a: cutlass.Int32, b: cutlass.Int32, pred: cutlass
 
 
 @dsl_user_op
+def _stg2_at(base: cutlass.Int64, off: cutlass.Int32, a: cutlass.Int32, b: cutlass.Int32, pred: cutlass.Int32, *,
+             loc=None, ip=None) -> None:
+    """`_stg2` at base + off (off >= 0, 32-bit): the address is formed at the store, so the 64-bit addresses of a
+    pass are not all held in registers ahead of it."""
+    llvm.inline_asm(None, [I64(base).ir_value(loc=loc, ip=ip)] + [I32(v).ir_value(loc=loc, ip=ip)
+                                                                   for v in (off, a, b, pred)],
+                    "{ .reg .pred p; .reg .b64 a; setp.ne.b32 p, $4, 0; cvt.u64.u32 a, $1; add.s64 a, a, $0; "
+                    "@p st.global.v2.b32 [a], {$2, $3}; }",
+                    "l,r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def _stg_f32(addr: cutlass.Int64, v: cutlass.Float32, pred: cutlass.Int32, *, loc=None, ip=None) -> None:
     """One fp32 to a global address where pred != 0."""
     llvm.inline_asm(None, [I64(addr).ir_value(loc=loc, ip=ip), F32(v).ir_value(loc=loc, ip=ip),
@@ -186,6 +199,43 @@ def _ld_dsmem_f32(smem_addr: cutlass.Int32, rank: cutlass.Int32, *, loc=None, ip
         F32.mlir_type, [I32(smem_addr).ir_value(loc=loc, ip=ip), I32(rank).ir_value(loc=loc, ip=ip)],
         "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }",
         "=f,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _cp_async_row(dst: cutlass.Int32, row0: cutlass.Int64, fallback: cutlass.Int64, t_rem: cutlass.Int32,
+                  dep: cutlass.Int32, j: int, row_bytes: int, *, loc=None, ip=None) -> None:
+    """cp.async of 16 bytes at row0 + j * row_bytes into the shared-memory slot dst + j * THREADS * 16 where j < t_rem
+    (the row exists) and dep >= 0; else the slot is zero-filled and nothing is read (the source address is then
+    `fallback`, a valid one). The address arithmetic is inside the statement, so it is done when the copy is issued
+    (computed ahead, 16 addresses would hold 32 registers)."""
+    llvm.inline_asm(None, [I32(dst).ir_value(loc=loc, ip=ip), I64(row0).ir_value(loc=loc, ip=ip),
+                           I64(fallback).ir_value(loc=loc, ip=ip), I32(t_rem).ir_value(loc=loc, ip=ip),
+                           I32(dep).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .pred p; .reg .b64 a; .reg .b32 n; "
+                    f"setp.gt.s32 p, $3, {j}; setp.ge.and.s32 p, $4, 0, p; selp.b32 n, 16, 0, p; "
+                    f"add.s64 a, $1, {j * row_bytes}; selp.b64 a, a, $2, p; "
+                    f"cp.async.cg.shared.global [$0+{j * THREADS * 16}], [a], 16, n; }}",
+                    "r,l,l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _cp_async_commit_wait(n: int, *, loc=None, ip=None) -> None:
+    """Commit the thread's cp.async group, then wait until at most n groups are pending."""
+    llvm.inline_asm(None, [], f"cp.async.commit_group; cp.async.wait_group {n};", "~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _cp_async_commit(*, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [], "cp.async.commit_group;", "~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _lds4(addr: cutlass.Int32, *, loc=None, ip=None) -> list:
+    """16 bytes at a shared-memory address as 4 words (ordered after the cp.async wait: side effects)."""
+    return _words(4, ((I32, addr),), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip, True)
 
 
 def _scale_rule(amax, pow2: bool):
@@ -225,59 +275,73 @@ class RMSNormFp8BlockSm90:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
-                 mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream):
+                 mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, n_clusters: cutlass.Int32,
+                 stream: cuda.CUstream):
         """mX [T, K] bf16 (row stride K), mW [K] fp32 / bf16, written: mRs [T] f32, mRowQ [T, K] e4m3, mRowS
         [K/128, T] f32, and with columnwise mColQ [K, T_pad] e4m3, mColS [ceil(T/128), K] f32 (else placeholders,
-        not touched)."""
+        not touched). n_clusters: the persistent grid's clusters (1 <= n_clusters <= the tiles); cluster c takes
+        tiles c, c + n_clusters, ..."""
         T = mX.shape[0]
         t_pad = mColQ.shape[1] if cutlass.const_expr(self.columnwise) else T
         n_tiles = (T + FP8_BLOCK - 1) // FP8_BLOCK
-        self.kernel(mX, mW, mRs, mRowQ, mRowS, mColQ, mColS, eps, T, t_pad).launch(
-            grid=[self.C, n_tiles, 1], block=[THREADS, 1, 1], cluster=[self.C, 1, 1], stream=stream)
+        self.kernel(mX, mW, mRs, mRowQ, mRowS, mColQ, mColS, eps, T, t_pad, n_tiles).launch(
+            grid=[self.C, n_clusters, 1], block=[THREADS, 1, 1], cluster=[self.C, 1, 1], stream=stream,
+            min_blocks_per_mp=2, preferred_smem_carveout=100)  # 128 registers and the shared memory of two CTAs an SM
 
     # ---------------------------------------------------------------------------------------------- device
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
                mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, T: cutlass.Int32,
-               t_pad: cutlass.Int32):
+               t_pad: cutlass.Int32, n_tiles: cutlass.Int32):
         K, C = self.K, self.C
         tidx, _, _ = cute.arch.thread_idx()
-        _, tile, _ = cute.arch.block_idx()
+        _, first_tile, _ = cute.arch.block_idx()
+        _, n_clusters, _ = cute.arch.grid_dim()
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # the CTA's column slice
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
 
         smem = cutlass.memory.SmemAllocator()
-        sPart = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # this CTA's partials
+        # x staging: thread i's 16 B of token j at slot j * 256 + i (a warp's loads: 512 contiguous bytes)
+        sX = smem.allocate_tensor(I32, cute.make_layout(TOKENS * THREADS * 4), byte_alignment=128)
+        sPart = smem.allocate_tensor(F32, cute.make_layout((FP8_BLOCK, 2)), byte_alignment=16)  # partials, 2 tiles
         sRs = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # rsigma of the tile
         sRowSc = smem.allocate_tensor(F32, cute.make_layout((TOKENS, 2, 8)), byte_alignment=16)  # (token, blk, warp)
         sColAm = smem.allocate_tensor(F32, cute.make_layout((COLS, 8)), byte_alignment=16)  # (column, warp)
         sColSc = smem.allocate_tensor(F32, cute.make_layout(COLS), byte_alignment=16)
 
-        t_base = tile * FP8_BLOCK + warp * TOKENS  # the thread's first token
         c_cta = rank * COLS
         c_thr = c_cta + lane * VEC  # the thread's first column
         x_base = mX.iterator.toint()
-        # ---- x: 16 loads of 16 bytes, issued together; rows past T read as 0
-        xw = []
-        for j in cutlass.range_constexpr(TOKENS):
-            t = t_base + j
-            addr = x_base + (I64(t) * K + I64(c_thr)) * 2
-            xw.append(_ldg4(addr, I32(cutlass.select_(t < T, I32(1), I32(0)))))
-        # ---- the norm weight of the thread's 8 columns (fp32), + 1 where zero-centered
-        w_base = mW.iterator.toint()
-        g = []
-        if cutlass.const_expr(self.w_f32):
-            for h in cutlass.range_constexpr(2):
-                for wd in _ldg4_f32(w_base + I64(c_thr + 4 * h) * 4):
-                    g.append(_bits_f32(wd))
-        else:
-            for wd in _ldg4_f32(w_base + I64(c_thr) * 2):
-                g.append(_lo_bf16(wd))
-                g.append(_hi_bf16(wd))
-        if cutlass.const_expr(self.zero_centered):
-            g = [_add_rn(v, F32(1.0)) for v in g]
+        sx_base = (sX.iterator + tidx * 4).toint()
+
+        def prefetch(tile, dep):  # tile's 16 rows of the thread into its slots (rows past T: zeros)
+            t0 = tile * FP8_BLOCK + warp * TOKENS
+            row0 = x_base + (I64(t0) * K + I64(c_thr)) * 2
+            for j in cutlass.range_constexpr(TOKENS):
+                _cp_async_row(sx_base, row0, x_base, T - t0, dep, j, K * 2)
+            _cp_async_commit()
+
+        prefetch(first_tile, I32(0))
+
+        for tile in cutlass.range(first_tile, n_tiles, n_clusters, unroll=1):
+            self._tile(tile, (tile - first_tile) // n_clusters % 2, tidx, warp, lane, rank, c_cta, c_thr, mW,
+                       sx_base, sPart, sRs, sRowSc, sColAm, sColSc, prefetch, n_clusters, mRs, mRowQ, mRowS, mColQ,
+                       mColS, eps, T, t_pad)
+        _cp_async_commit_wait(0)  # the last (zero-fill) prefetch lands before the shared memory is released
+        # no CTA exits (its shared memory released) while another may still read its partials
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def _tile(self, tile, parity, tidx, warp, lane, rank, c_cta, c_thr, mW, sx_base, sPart, sRs, sRowSc, sColAm,
+              sColSc, prefetch, n_clusters, mRs, mRowQ, mRowS, mColQ, mColS, eps, T, t_pad):
+        """One 128-token tile: x from the thread's staging slots, the next tile's prefetch issued once x is read."""
+        K, C = self.K, self.C
+        t_base = tile * FP8_BLOCK + warp * TOKENS  # the thread's first token
+        _cp_async_commit_wait(0)
+        xw = [_lds4(sx_base + I32(j * THREADS * 16)) for j in range(TOKENS)]
 
         def xval(j, c, tag):  # x[token j, column c] of the thread, fp32 (tag: the pass)
             wd = xw[j][c // 2]
@@ -291,41 +355,59 @@ class RMSNormFp8BlockSm90:
                 v = xval(j, c, 0)
                 s = _fma_rn(v, v, s)
             ss.append(s)
+        # the next tile's loads reuse the slots: issued after every slot's value has been used (a sum of squares
+        # is >= 0 or +NaN, so the OR of their bits never has the sign bit: `dep_bits >= 0` always holds, and orders
+        # the copies after the sums)
+        dep_bits = _f32_bits(ss[0])
+        for j in cutlass.range_constexpr(1, TOKENS):
+            dep_bits = dep_bits | _f32_bits(ss[j])
+        prefetch(tile + n_clusters, dep_bits)
         ss = self._butterfly(ss, lane, (16, 8, 4, 2), _add_rn)  # lane keeps token 8 b4 + 4 b3 + 2 b2 + b1
         s_tok = _add_rn(ss[0], cute.arch.shuffle_sync_bfly(ss[0], 1))  # lanes l, l ^ 1: the same bits
         tok_s = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
         if lane % 2 == 0:
-            sPart[warp * TOKENS + tok_s] = s_tok
-        # ---- every CTA's partials written (release) and visible (acquire)
+            sPart[(warp * TOKENS + tok_s, parity)] = s_tok
+        # ---- every CTA's partials written (release) and visible (acquire). The other buffer is rewritten two tiles
+        # on, after the next tile's barrier, which no CTA passes before every CTA has read this tile's partials
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         if tidx < FP8_BLOCK:
-            part_addr = (sPart.iterator + tidx).toint()
+            part_addr = (sPart.iterator + (tidx + parity * FP8_BLOCK)).toint()
             tot = _ld_dsmem_f32(part_addr, I32(0))
             for r in cutlass.range_constexpr(1, C):
                 tot = _add_rn(tot, _ld_dsmem_f32(part_addr, I32(r)))
             rs = _div_rn(F32(1.0), _sqrt_rn(_add_rn(_div_rn(tot, F32(float(K))), eps)))
             sRs[tidx] = rs
-        # done reading the other CTAs' shared memory: the matching wait is at the end (no CTA exits before). Before
-        # the rsigma store: the arrive's release fence (MEMBAR.GPU) then has no store to wait for
-        cute.arch.cluster_arrive()
-        if tidx < FP8_BLOCK:
             t_rs = tile * FP8_BLOCK + tidx
-            _stg_f32(mRs.iterator.toint() + I64(t_rs) * 4, sRs[tidx],
+            _stg_f32(mRs.iterator.toint() + I64(t_rs) * 4, rs,
                      I32(cutlass.select_((rank == 0) & (t_rs < T), I32(1), I32(0))))
         cute.arch.sync_threads()
-        rsv = [sRs[warp * TOKENS + j] for j in range(TOKENS)]
+        # ---- the norm weight of the thread's 8 columns (fp32), + 1 where zero-centered (per tile: an L1
+        # hit; held across the tile loop they would cost registers)
+        w_base = mW.iterator.toint()
+        g = []
+        if cutlass.const_expr(self.w_f32):
+            for h in cutlass.range_constexpr(2):
+                for wd in _ldg4_f32(w_base + I64(c_thr + 4 * h) * 4):
+                    g.append(_bits_f32(wd))
+        else:
+            for wd in _ldg4_f32(w_base + I64(c_thr) * 2):
+                g.append(_lo_bf16(wd))
+                g.append(_hi_bf16(wd))
+        if cutlass.const_expr(self.zero_centered):
+            g = [_add_rn(v, F32(1.0)) for v in g]
 
-        def xn(j, c, tag):  # (x * rsigma) * g, the reference's op order
-            return _mul_rn_t(_mul_rn_t(xval(j, c, tag), rsv[j], tag), g[c], tag)
+        def xn(j, c, tag, r):  # (x * rsigma) * g, the reference's op order (r: rsigma of token j)
+            return _mul_rn_t(_mul_rn_t(xval(j, c, tag), r, tag), g[c], tag)
 
         # ---- pass 1: amaxes
         ra = []
         ca = [F32(0.0)] * VEC
         for j in cutlass.range_constexpr(TOKENS):
             a = F32(0.0)
+            r = sRs[warp * TOKENS + j]  # read per token and pass: 16 rsigma held across passes would spill
             for c in cutlass.range_constexpr(VEC):
-                v = xn(j, c, 1)
+                v = xn(j, c, 1, r)
                 a = _absmax(a, v)
                 if cutlass.const_expr(self.columnwise):
                     ca[c] = _absmax(ca[c], v)
@@ -355,15 +437,17 @@ class RMSNormFp8BlockSm90:
 
         # ---- pass 2: codes, four tokens at a time
         rq_base = mRowQ.iterator.toint()
+        cq_tile = mColQ.iterator.toint() + I64(c_thr) * I64(t_pad) + I64(tile * FP8_BLOCK) if self.columnwise else None
         cw = [[None] * 4 for _ in range(VEC)]  # column c's code words (4 tokens each)
         for q in cutlass.range_constexpr(4):
             cv = [[None] * 4 for _ in range(VEC)]
             for jj in cutlass.range_constexpr(4):
                 j = 4 * q + jj
                 rsc = sRowSc[(j, lane >> 4, warp)]
+                r = sRs[warp * TOKENS + j]
                 vals = []
                 for c in cutlass.range_constexpr(VEC):
-                    v = xn(j, c, 2)
+                    v = xn(j, c, 2, r)
                     vals.append(_mul_rn(v, rsc))
                     if cutlass.const_expr(self.columnwise):
                         cv[c][jj] = _mul_rn(v, csc[c])
@@ -376,12 +460,10 @@ class RMSNormFp8BlockSm90:
                 mask = cutlass.select_(n_ok == 4, I32(-1), (I32(1) << (cutlass.min(n_ok, I32(3)) * 8)) - 1)
                 for c in cutlass.range_constexpr(VEC):
                     cw[c][q] = _e4m3x4(*cv[c]) & mask
-        if cutlass.const_expr(self.columnwise):
-            cq_base = mColQ.iterator.toint()
-            ok = I32(cutlass.select_(t_base < t_pad, I32(1), I32(0)))
-            for c in cutlass.range_constexpr(VEC):
-                _stg4(cq_base + I64(c_thr + c) * I64(t_pad) + I64(t_base), *cw[c], ok)
-        cute.arch.cluster_wait()
+                if cutlass.const_expr(q % 2 == 1):  # a column's 8 codes: one 8-byte store (16 held would spill)
+                    ok = I32(cutlass.select_(t_base < t_pad, I32(1), I32(0)))
+                    for c in cutlass.range_constexpr(VEC):
+                        _stg2_at(cq_tile, c * t_pad + warp * TOKENS + 8 * (q // 2), cw[c][q - 1], cw[c][q], ok)
 
     @staticmethod
     def _butterfly(vals: list, lane, masks, op) -> list:
