@@ -128,6 +128,8 @@ def rms_sass_report(cubin: bytes) -> dict:
     counts["DSMEM_LD"] = len(re.findall(r"\bLD\.E\b", sass))
     counts["LDGSTS.128"] = len(re.findall(r"\bLDGSTS\.[A-Z0-9_.]*128\b", sass))  # cp.async of 16 bytes (x)
     counts["F2FP_E4M3"] = len(re.findall(r"\bF2FP\.[A-Z0-9_.]*E4M3", sass))
+    counts["STS.32"] = len(re.findall(r"\bSTS\s", sass))  # shared stores of 4 bytes
+    counts["LDS.128"] = len(re.findall(r"\bLDS\.128\b", sass))
     ctas = 65536 // (256 * -(-reg // 8) * 8)  # 256 threads a CTA, registers allocated in units of 8 a thread
     return {"REG": reg, "STACK": int(m.group(2)), "CTAS_PER_SM_BY_REG": ctas, **counts, "sass": sass}
 

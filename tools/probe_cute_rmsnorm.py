@@ -101,13 +101,6 @@ def bench(T: int) -> None:
               lambda: tri.rmsnorm_fp8_block_fwd(x, w, 1e-6, False, "pow2", True, cfg_t)),
              ("Triton RMSNorm + quant (inference)", infer_b,
               lambda: tri.rmsnorm_fp8_block_fwd(x, w, 1e-6, False, "pow2", False, cfg_i)),
-             ("CuTe training, a cluster per tile", train_b,
-              lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", True, n_clusters=1 << 30)),
-             ("CuTe inference, a cluster per tile", infer_b,
-              lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", False, n_clusters=1 << 30)),
-             ("CuTe training, half the resident clusters", train_b,
-              lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", True,
-                                                 n_clusters=cute_rms.resident_clusters(x.device, K) // 2)),
              ("launcher default (training)", train_b,
               lambda: tri.rmsnorm_fp8_block_fwd(x, w, 1e-6, False, "pow2", True))]
     res = [(name, nb, graph_ms(fn)) for name, nb, fn in rows]

@@ -143,7 +143,7 @@ def compile_kernel(K: int, columnwise: bool, w_dtype: torch.dtype, zero_centered
             make_fake_tensor(e4m3, (1, 1), (1, 1), assumed_align=16),
             make_fake_tensor(f32, (n_tiles, K), (K, 1), assumed_align=16) if columnwise else
             make_fake_tensor(f32, (1, 1), (1, 1), assumed_align=16),
-            cutlass.Float32(1e-6), cutlass.Int32(1),
+            cutlass.Float32(1e-6),
             make_fake_stream(use_tvm_ffi_env_stream=True))
     return cute.compile(kern, *args, options=f"--gpu-arch sm_90a --enable-tvm-ffi {options}".strip())
 
@@ -160,26 +160,11 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return got
 
 
-def resident_clusters(device: torch.device, K: int) -> int:
-    """Clusters of K/256 CTAs the GPU holds at once at two CTAs an SM (the persistent grid's size)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    got = _RESIDENT.get((index, K))
-    if got is None:
-        sms = torch.cuda.get_device_properties(index).multi_processor_count
-        got = _RESIDENT[(index, K)] = max(1, 2 * sms // (K // COLS))
-    return got
-
-
-_RESIDENT: dict[tuple[int, int], int] = {}
-
-
 def rmsnorm_fp8_block(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
-                      block_scale: str = "pow2", columnwise: bool = True,
-                      n_clusters: int | None = None) -> tuple[torch.Tensor, ...]:
+                      block_scale: str = "pow2", columnwise: bool = True) -> tuple[torch.Tensor, ...]:
     """(rsigma, row codes, row scale_inv [K/128, T], col codes [K, T_pad], col scale_inv [ceil(T/128), K]) as
     `rmsnorm_fp8_block_fwd` returns them (the columnwise pair [K, 0] / [0, K] when not asked). The caller has checked
-    the call with `serves`. n_clusters: the persistent grid (default: as many clusters as the GPU holds at once, at
-    most one per 128-token tile)."""
+    the call with `serves`."""
     from ..triton.rmsnorm_fp8_block import rmsnorm_fp8_block_outputs
 
     outs = rmsnorm_fp8_block_outputs(x2d, columnwise)
@@ -190,7 +175,5 @@ def rmsnorm_fp8_block(x2d: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
     fn = _kernel(K, columnwise, norm_weight.dtype, bool(zero_centered_gamma), block_scale)
     if not columnwise:
         cd, cs = _placeholders(x2d.device)
-    n_tiles = -(-T // 128)
-    n = resident_clusters(x2d.device, K) if n_clusters is None else int(n_clusters)
-    fn(x2d, norm_weight, rsigma, rd, rs, cd, cs, float(eps), max(1, min(n, n_tiles)))
+    fn(x2d, norm_weight, rsigma, rd, rs, cd, cs, float(eps))
     return outs

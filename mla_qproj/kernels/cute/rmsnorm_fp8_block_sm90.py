@@ -14,7 +14,7 @@ first row block, 16-31: its second), so a thread holds 16 tokens x 8 columns = 6
 - x is loaded once, all 16 loads of a thread issued up front (16-byte `ld.global.nc.v4`, each a warp's 512 contiguous
   bytes of one row; rows past T are predicated off and read as 0), and stays in registers to the end: 64 registers
   of data, 128 in all (ptxas, sm_90a: no spills), two CTAs an SM (two CTAs' 128 KB of loads in flight; one CTA's
-  compute overlaps the other's loads) with shared memory to spare (~11 KB a CTA).
+  compute overlaps the other's loads) with shared memory to spare (~43 KB a CTA).
 - sum of squares: fma over the thread's 8 columns per token, then a transposed butterfly over the warp (xor 16, 8, 4,
   2 halve the 16 tokens a lane keeps, xor 1 ends it: 16 shuffles for 16 tokens instead of 80) leaves each lane pair
   the CTA's partial of one token (the warp spans all 256 columns of the CTA). Partials go to shared memory; a cluster
@@ -34,9 +34,12 @@ first row block, 16-31: its second), so a thread holds 16 tokens x 8 columns = 6
   both give scale 1.
 - Pass 2, four tokens at a time: codes = cvt.rn.satfinite.e4m3x2.f32 of fp32(xn * scale) (round to nearest even,
   saturate to ±448, NaN -> 0x7F); a token's 8 row codes are one 8-byte store (a warp writes 256 contiguous bytes of a
-  row), a column's codes of 4 tokens one 32-bit word (masked to zero bytes for tokens >= T), and after the 16 tokens
-  a column's 16 codes are one 16-byte store into the transposed [K, T_pad] (16-aligned: T_pad % 16 == 0); a
-  thread's 16 tokens are all in [0, T_pad) or all past it.
+  row), a column's codes of 4 tokens one 32-bit word (masked to zero bytes for tokens >= T), written to shared
+  memory: the CTA's 256 columns x 128 tokens of codes (32 KB, a column's 16-byte chunk k of tokens [16 k, 16 k + 16)
+  at chunk k ^ ((column >> 3) & 7), its words rotated by (column >> 6) & 3, so neither the writers' 4-byte stores nor
+  the readers' 16-byte loads conflict on banks). After a CTA barrier, 8 lanes read one column's 128 tokens and store
+  them as one whole 128-byte line of the transposed [K, T_pad] (16-aligned: T_pad % 16 == 0; chunks at or past T_pad
+  are skipped): writes of whole lines, where a thread's own column store would cover 16 bytes of a 32-byte sector.
 Global addresses are 64-bit (T * K may pass 2^31). T is a run-time extent: one binary serves every T (grid y <= 65535:
 T <= 8,388,480). The kernel is compiled per (K, columnwise, norm-weight dtype fp32 / bf16, zero-centered gamma, block
 scale "pow2" / "fp32"); "deepseek" scales, other dtypes of x and K not a multiple of 256 up to 2048 stay on the
@@ -169,16 +172,17 @@ def _stg2(addr: cutlass.Int64, a: cutlass.Int32, b: cutlass.Int32, pred: cutlass
 
 
 @dsl_user_op
-def _stg2_at(base: cutlass.Int64, off: cutlass.Int32, a: cutlass.Int32, b: cutlass.Int32, pred: cutlass.Int32, *,
-             loc=None, ip=None) -> None:
-    """`_stg2` at base + off (off >= 0, 32-bit): the address is formed at the store, so the 64-bit addresses of a
-    pass are not all held in registers ahead of it."""
-    llvm.inline_asm(None, [I64(base).ir_value(loc=loc, ip=ip)] + [I32(v).ir_value(loc=loc, ip=ip)
-                                                                   for v in (off, a, b, pred)],
-                    "{ .reg .pred p; .reg .b64 a; setp.ne.b32 p, $4, 0; cvt.u64.u32 a, $1; add.s64 a, a, $0; "
-                    "@p st.global.v2.b32 [a], {$2, $3}; }",
-                    "l,r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+def _sts32(addr: cutlass.Int32, v: cutlass.Int32, *, loc=None, ip=None) -> None:
+    """One 32-bit word to a shared-memory address."""
+    llvm.inline_asm(None, [I32(addr).ir_value(loc=loc, ip=ip), I32(v).ir_value(loc=loc, ip=ip)],
+                    "st.shared.b32 [$0], $1;", "r,r,~{memory}", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def _lds4(addr: cutlass.Int32, *, loc=None, ip=None) -> list:
+    """16 bytes at a shared-memory address as 4 words (ordered after the barrier: side effects)."""
+    return _words(4, ((I32, addr),), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip, True)
 
 
 @dsl_user_op
@@ -199,43 +203,6 @@ def _ld_dsmem_f32(smem_addr: cutlass.Int32, rank: cutlass.Int32, *, loc=None, ip
         F32.mlir_type, [I32(smem_addr).ir_value(loc=loc, ip=ip), I32(rank).ir_value(loc=loc, ip=ip)],
         "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }",
         "=f,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _cp_async_row(dst: cutlass.Int32, row0: cutlass.Int64, fallback: cutlass.Int64, t_rem: cutlass.Int32,
-                  dep: cutlass.Int32, j: int, row_bytes: int, *, loc=None, ip=None) -> None:
-    """cp.async of 16 bytes at row0 + j * row_bytes into the shared-memory slot dst + j * THREADS * 16 where j < t_rem
-    (the row exists) and dep >= 0; else the slot is zero-filled and nothing is read (the source address is then
-    `fallback`, a valid one). The address arithmetic is inside the statement, so it is done when the copy is issued
-    (computed ahead, 16 addresses would hold 32 registers)."""
-    llvm.inline_asm(None, [I32(dst).ir_value(loc=loc, ip=ip), I64(row0).ir_value(loc=loc, ip=ip),
-                           I64(fallback).ir_value(loc=loc, ip=ip), I32(t_rem).ir_value(loc=loc, ip=ip),
-                           I32(dep).ir_value(loc=loc, ip=ip)],
-                    "{ .reg .pred p; .reg .b64 a; .reg .b32 n; "
-                    f"setp.gt.s32 p, $3, {j}; setp.ge.and.s32 p, $4, 0, p; selp.b32 n, 16, 0, p; "
-                    f"add.s64 a, $1, {j * row_bytes}; selp.b64 a, a, $2, p; "
-                    f"cp.async.cg.shared.global [$0+{j * THREADS * 16}], [a], 16, n; }}",
-                    "r,l,l,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _cp_async_commit_wait(n: int, *, loc=None, ip=None) -> None:
-    """Commit the thread's cp.async group, then wait until at most n groups are pending."""
-    llvm.inline_asm(None, [], f"cp.async.commit_group; cp.async.wait_group {n};", "~{memory}",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _cp_async_commit(*, loc=None, ip=None) -> None:
-    llvm.inline_asm(None, [], "cp.async.commit_group;", "~{memory}", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def _lds4(addr: cutlass.Int32, *, loc=None, ip=None) -> list:
-    """16 bytes at a shared-memory address as 4 words (ordered after the cp.async wait: side effects)."""
-    return _words(4, ((I32, addr),), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip, True)
 
 
 def _scale_rule(amax, pow2: bool):
@@ -275,115 +242,51 @@ class RMSNormFp8BlockSm90:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
-                 mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, n_clusters: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream):
         """mX [T, K] bf16 (row stride K), mW [K] fp32 / bf16, written: mRs [T] f32, mRowQ [T, K] e4m3, mRowS
         [K/128, T] f32, and with columnwise mColQ [K, T_pad] e4m3, mColS [ceil(T/128), K] f32 (else placeholders,
-        not touched). n_clusters: the persistent grid's clusters (1 <= n_clusters <= the tiles); cluster c takes
-        tiles c, c + n_clusters, ..."""
+        not touched)."""
         T = mX.shape[0]
         t_pad = mColQ.shape[1] if cutlass.const_expr(self.columnwise) else T
         n_tiles = (T + FP8_BLOCK - 1) // FP8_BLOCK
-        self.kernel(mX, mW, mRs, mRowQ, mRowS, mColQ, mColS, eps, T, t_pad, n_tiles).launch(
-            grid=[self.C, n_clusters, 1], block=[THREADS, 1, 1], cluster=[self.C, 1, 1], stream=stream,
-            min_blocks_per_mp=2, preferred_smem_carveout=100)  # 128 registers and the shared memory of two CTAs an SM
+        self.kernel(mX, mW, mRs, mRowQ, mRowS, mColQ, mColS, eps, T, t_pad).launch(
+            grid=[self.C, n_tiles, 1], block=[THREADS, 1, 1], cluster=[self.C, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
                mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, T: cutlass.Int32,
-               t_pad: cutlass.Int32, n_tiles: cutlass.Int32):
+               t_pad: cutlass.Int32):
         K, C = self.K, self.C
         tidx, _, _ = cute.arch.thread_idx()
-        _, first_tile, _ = cute.arch.block_idx()
-        _, n_clusters, _ = cute.arch.grid_dim()
+        _, tile, _ = cute.arch.block_idx()
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())  # the CTA's column slice
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
 
         smem = cutlass.memory.SmemAllocator()
-        # x staging: thread i's 16 B of token j at slot j * 256 + i (a warp's loads: 512 contiguous bytes)
-        sX = smem.allocate_tensor(I32, cute.make_layout(TOKENS * THREADS * 4), byte_alignment=128)
-        sPart = smem.allocate_tensor(F32, cute.make_layout((FP8_BLOCK, 2)), byte_alignment=16)  # partials, 2 tiles
+        sPart = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # this CTA's partials
         sRs = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # rsigma of the tile
         sRowSc = smem.allocate_tensor(F32, cute.make_layout((TOKENS, 2, 8)), byte_alignment=16)  # (token, blk, warp)
         sColAm = smem.allocate_tensor(F32, cute.make_layout((COLS, 8)), byte_alignment=16)  # (column, warp)
         sColSc = smem.allocate_tensor(F32, cute.make_layout(COLS), byte_alignment=16)
+        # the tile's column codes transposed, [256 columns][128 tokens] bytes (32 KB); a column's 16-byte chunk k
+        # (tokens 16 k ..) sits at chunk k ^ ((column >> 3) & 7), its words rotated by (column >> 6) & 3: the
+        # writers' 4-byte stores and the readers' 16-byte loads are free of bank conflicts
+        sColQ = smem.allocate_tensor(I32, cute.make_layout(COLS * FP8_BLOCK // 4), byte_alignment=128)
 
+        t_base = tile * FP8_BLOCK + warp * TOKENS  # the thread's first token
         c_cta = rank * COLS
         c_thr = c_cta + lane * VEC  # the thread's first column
         x_base = mX.iterator.toint()
-        sx_base = (sX.iterator + tidx * 4).toint()
-
-        def prefetch(tile, dep):  # tile's 16 rows of the thread into its slots (rows past T: zeros)
-            t0 = tile * FP8_BLOCK + warp * TOKENS
-            row0 = x_base + (I64(t0) * K + I64(c_thr)) * 2
-            for j in cutlass.range_constexpr(TOKENS):
-                _cp_async_row(sx_base, row0, x_base, T - t0, dep, j, K * 2)
-            _cp_async_commit()
-
-        prefetch(first_tile, I32(0))
-
-        for tile in cutlass.range(first_tile, n_tiles, n_clusters, unroll=1):
-            self._tile(tile, (tile - first_tile) // n_clusters % 2, tidx, warp, lane, rank, c_cta, c_thr, mW,
-                       sx_base, sPart, sRs, sRowSc, sColAm, sColSc, prefetch, n_clusters, mRs, mRowQ, mRowS, mColQ,
-                       mColS, eps, T, t_pad)
-        _cp_async_commit_wait(0)  # the last (zero-fill) prefetch lands before the shared memory is released
-        # no CTA exits (its shared memory released) while another may still read its partials
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-
-    @cute.jit
-    def _tile(self, tile, parity, tidx, warp, lane, rank, c_cta, c_thr, mW, sx_base, sPart, sRs, sRowSc, sColAm,
-              sColSc, prefetch, n_clusters, mRs, mRowQ, mRowS, mColQ, mColS, eps, T, t_pad):
-        """One 128-token tile: x from the thread's staging slots, the next tile's prefetch issued once x is read."""
-        K, C = self.K, self.C
-        t_base = tile * FP8_BLOCK + warp * TOKENS  # the thread's first token
-        _cp_async_commit_wait(0)
-        xw = [_lds4(sx_base + I32(j * THREADS * 16)) for j in range(TOKENS)]
-
-        def xval(j, c, tag):  # x[token j, column c] of the thread, fp32 (tag: the pass)
-            wd = xw[j][c // 2]
-            return _lo_bf16(wd, tag) if c % 2 == 0 else _hi_bf16(wd, tag)
-
-        # ---- sum of squares: the thread's 8 columns per token, then the warp's 256 (transposed butterfly)
-        ss = []
+        # ---- x: 16 loads of 16 bytes, issued together; rows past T read as 0
+        xw = []
         for j in cutlass.range_constexpr(TOKENS):
-            s = F32(0.0)
-            for c in cutlass.range_constexpr(VEC):
-                v = xval(j, c, 0)
-                s = _fma_rn(v, v, s)
-            ss.append(s)
-        # the next tile's loads reuse the slots: issued after every slot's value has been used (a sum of squares
-        # is >= 0 or +NaN, so the OR of their bits never has the sign bit: `dep_bits >= 0` always holds, and orders
-        # the copies after the sums)
-        dep_bits = _f32_bits(ss[0])
-        for j in cutlass.range_constexpr(1, TOKENS):
-            dep_bits = dep_bits | _f32_bits(ss[j])
-        prefetch(tile + n_clusters, dep_bits)
-        ss = self._butterfly(ss, lane, (16, 8, 4, 2), _add_rn)  # lane keeps token 8 b4 + 4 b3 + 2 b2 + b1
-        s_tok = _add_rn(ss[0], cute.arch.shuffle_sync_bfly(ss[0], 1))  # lanes l, l ^ 1: the same bits
-        tok_s = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
-        if lane % 2 == 0:
-            sPart[(warp * TOKENS + tok_s, parity)] = s_tok
-        # ---- every CTA's partials written (release) and visible (acquire). The other buffer is rewritten two tiles
-        # on, after the next tile's barrier, which no CTA passes before every CTA has read this tile's partials
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if tidx < FP8_BLOCK:
-            part_addr = (sPart.iterator + (tidx + parity * FP8_BLOCK)).toint()
-            tot = _ld_dsmem_f32(part_addr, I32(0))
-            for r in cutlass.range_constexpr(1, C):
-                tot = _add_rn(tot, _ld_dsmem_f32(part_addr, I32(r)))
-            rs = _div_rn(F32(1.0), _sqrt_rn(_add_rn(_div_rn(tot, F32(float(K))), eps)))
-            sRs[tidx] = rs
-            t_rs = tile * FP8_BLOCK + tidx
-            _stg_f32(mRs.iterator.toint() + I64(t_rs) * 4, rs,
-                     I32(cutlass.select_((rank == 0) & (t_rs < T), I32(1), I32(0))))
-        cute.arch.sync_threads()
-        # ---- the norm weight of the thread's 8 columns (fp32), + 1 where zero-centered (per tile: an L1
-        # hit; held across the tile loop they would cost registers)
+            t = t_base + j
+            addr = x_base + (I64(t) * K + I64(c_thr)) * 2
+            xw.append(_ldg4(addr, I32(cutlass.select_(t < T, I32(1), I32(0)))))
+        # ---- the norm weight of the thread's 8 columns (fp32), + 1 where zero-centered
         w_base = mW.iterator.toint()
         g = []
         if cutlass.const_expr(self.w_f32):
@@ -397,17 +300,53 @@ class RMSNormFp8BlockSm90:
         if cutlass.const_expr(self.zero_centered):
             g = [_add_rn(v, F32(1.0)) for v in g]
 
-        def xn(j, c, tag, r):  # (x * rsigma) * g, the reference's op order (r: rsigma of token j)
-            return _mul_rn_t(_mul_rn_t(xval(j, c, tag), r, tag), g[c], tag)
+        def xval(j, c, tag):  # x[token j, column c] of the thread, fp32 (tag: the pass)
+            wd = xw[j][c // 2]
+            return _lo_bf16(wd, tag) if c % 2 == 0 else _hi_bf16(wd, tag)
+
+        # ---- sum of squares: the thread's 8 columns per token, then the warp's 256 (transposed butterfly)
+        ss = []
+        for j in cutlass.range_constexpr(TOKENS):
+            s = F32(0.0)
+            for c in cutlass.range_constexpr(VEC):
+                v = xval(j, c, 0)
+                s = _fma_rn(v, v, s)
+            ss.append(s)
+        ss = self._butterfly(ss, lane, (16, 8, 4, 2), _add_rn)  # lane keeps token 8 b4 + 4 b3 + 2 b2 + b1
+        s_tok = _add_rn(ss[0], cute.arch.shuffle_sync_bfly(ss[0], 1))  # lanes l, l ^ 1: the same bits
+        tok_s = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
+        if lane % 2 == 0:
+            sPart[warp * TOKENS + tok_s] = s_tok
+        # ---- every CTA's partials written (release) and visible (acquire)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if tidx < FP8_BLOCK:
+            part_addr = (sPart.iterator + tidx).toint()
+            tot = _ld_dsmem_f32(part_addr, I32(0))
+            for r in cutlass.range_constexpr(1, C):
+                tot = _add_rn(tot, _ld_dsmem_f32(part_addr, I32(r)))
+            rs = _div_rn(F32(1.0), _sqrt_rn(_add_rn(_div_rn(tot, F32(float(K))), eps)))
+            sRs[tidx] = rs
+        # done reading the other CTAs' shared memory: the matching wait is at the end (no CTA exits before). Before
+        # the rsigma store: the arrive's release fence (MEMBAR.GPU) then has no store to wait for
+        cute.arch.cluster_arrive()
+        if tidx < FP8_BLOCK:
+            t_rs = tile * FP8_BLOCK + tidx
+            _stg_f32(mRs.iterator.toint() + I64(t_rs) * 4, sRs[tidx],
+                     I32(cutlass.select_((rank == 0) & (t_rs < T), I32(1), I32(0))))
+        cute.arch.sync_threads()
+        rsv = [sRs[warp * TOKENS + j] for j in range(TOKENS)]
+
+        def xn(j, c, tag):  # (x * rsigma) * g, the reference's op order
+            return _mul_rn_t(_mul_rn_t(xval(j, c, tag), rsv[j], tag), g[c], tag)
 
         # ---- pass 1: amaxes
         ra = []
         ca = [F32(0.0)] * VEC
         for j in cutlass.range_constexpr(TOKENS):
             a = F32(0.0)
-            r = sRs[warp * TOKENS + j]  # read per token and pass: 16 rsigma held across passes would spill
             for c in cutlass.range_constexpr(VEC):
-                v = xn(j, c, 1, r)
+                v = xn(j, c, 1)
                 a = _absmax(a, v)
                 if cutlass.const_expr(self.columnwise):
                     ca[c] = _absmax(ca[c], v)
@@ -437,17 +376,17 @@ class RMSNormFp8BlockSm90:
 
         # ---- pass 2: codes, four tokens at a time
         rq_base = mRowQ.iterator.toint()
-        cq_tile = mColQ.iterator.toint() + I64(c_thr) * I64(t_pad) + I64(tile * FP8_BLOCK) if self.columnwise else None
-        cw = [[None] * 4 for _ in range(VEC)]  # column c's code words (4 tokens each)
+        # writer: column lane * 8 + c, chunk warp, word q
+        cq_w = (sColQ.iterator.toint() + lane * (VEC * FP8_BLOCK) + ((warp ^ (lane & 7)) * 16)
+                if self.columnwise else None)
         for q in cutlass.range_constexpr(4):
             cv = [[None] * 4 for _ in range(VEC)]
             for jj in cutlass.range_constexpr(4):
                 j = 4 * q + jj
                 rsc = sRowSc[(j, lane >> 4, warp)]
-                r = sRs[warp * TOKENS + j]
                 vals = []
                 for c in cutlass.range_constexpr(VEC):
-                    v = xn(j, c, 2, r)
+                    v = xn(j, c, 2)
                     vals.append(_mul_rn(v, rsc))
                     if cutlass.const_expr(self.columnwise):
                         cv[c][jj] = _mul_rn(v, csc[c])
@@ -458,12 +397,23 @@ class RMSNormFp8BlockSm90:
                 n_ok = cutlass.min(cutlass.max(T - (t_base + 4 * q), I32(0)), I32(4))
                 # bytes of tokens < T kept (no shift by 32: n_ok = 4 is the select's other arm)
                 mask = cutlass.select_(n_ok == 4, I32(-1), (I32(1) << (cutlass.min(n_ok, I32(3)) * 8)) - 1)
+                wq = cq_w + ((q ^ ((lane >> 3) & 3)) * 4)
                 for c in cutlass.range_constexpr(VEC):
-                    cw[c][q] = _e4m3x4(*cv[c]) & mask
-                if cutlass.const_expr(q % 2 == 1):  # a column's 8 codes: one 8-byte store (16 held would spill)
-                    ok = I32(cutlass.select_(t_base < t_pad, I32(1), I32(0)))
-                    for c in cutlass.range_constexpr(VEC):
-                        _stg2_at(cq_tile, c * t_pad + warp * TOKENS + 8 * (q // 2), cw[c][q - 1], cw[c][q], ok)
+                    _sts32(wq + c * FP8_BLOCK, _e4m3x4(*cv[c]) & mask)
+        if cutlass.const_expr(self.columnwise):
+            # the transposed codes leave as whole 128-byte lines: 8 lanes a column (chunk k = lane % 8), 4 columns
+            # a warp, 32 a pass; chunks at or past T_pad are not stored
+            cute.arch.sync_threads()
+            cq_base = mColQ.iterator.toint()
+            k = lane & 7
+            t_k = tile * FP8_BLOCK + k * 16
+            ok = I32(cutlass.select_(t_k < t_pad, I32(1), I32(0)))
+            for p in cutlass.range_constexpr(COLS // 32):
+                cl = p * 32 + warp * 4 + (lane >> 3)
+                wd = _lds4(sColQ.iterator.toint() + cl * FP8_BLOCK + ((k ^ ((cl >> 3) & 7)) * 16))
+                r = (p >> 1) & 3  # the words' rotation: (cl >> 6) & 3, the same for the whole pass
+                _stg4(cq_base + I64(c_cta + cl) * I64(t_pad) + I64(t_k), *[wd[qq ^ r] for qq in range(4)], ok)
+        cute.arch.cluster_wait()
 
     @staticmethod
     def _butterfly(vals: list, lane, masks, op) -> list:
