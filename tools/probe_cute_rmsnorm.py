@@ -93,7 +93,10 @@ def bench(T: int) -> None:
     rows = [("device copy (bench_kernels' ceiling)", 2.0 * src.numel() * 4, lambda: dst.copy_(src))]
     train_b, infer_b = T * K * (2 + 1 + 1) + 2 * T * K / 32 + 4 * T, T * K * (2 + 1) + T * K / 32 + 4 * T
     cfg_t, cfg_i = (tri.default_config(T, K, x.device, cw) for cw in (True, False))
-    rows += [("CuTe RMSNorm + quant (training)", train_b,
+    src_t = torch.randn(int(train_b // 8), device="cuda")  # a copy moving the training kernel's bytes
+    dst_t = torch.empty_like(src_t)
+    rows += [("device copy of the training kernel's bytes", 8.0 * src_t.numel(), lambda: dst_t.copy_(src_t)),
+             ("CuTe RMSNorm + quant (training)", train_b,
               lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", True)),
              ("CuTe RMSNorm + quant (inference)", infer_b,
               lambda: cute_rms.rmsnorm_fp8_block(x, w, 1e-6, False, "pow2", False)),
