@@ -270,6 +270,7 @@ def _rsigma_oracle(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Ten
     tot = sq.sum(-1)
     ora = 1.0 / torch.sqrt(tot / x.shape[-1] + eps)
     tol = 1e-6 + x.shape[-1] * 2.0**-150 / (tot + eps * x.shape[-1])
+    tol = torch.where(tot.isnan(), 1e-6, tol)  # a NaN row's rsigma is NaN: `check` compares the NaN rows themselves
     return torch.where(tot > torch.finfo(torch.float32).max, 0.0, ora), tol
 
 
@@ -339,7 +340,7 @@ def test_gpu_vs_reference(T, K):
             assert_bytes_equal(infer[i], train[i], f"T={T} output {i} inference vs training")
 
 
-def _special_x(T, K, seed=5):
+def _special_x(T, K, seed=5, device="cuda"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, K, generator=g) * 3
     x[2] = 0.0  # an all-zero row: rsigma 1/sqrt(eps), zero codes, scale 1
@@ -350,7 +351,16 @@ def _special_x(T, K, seed=5):
     x[7, :128] = -0.0  # negative zeros: code 0x80
     x[8] = torch.randn(K, generator=g) * 1e-20  # tiny: large rsigma
     x[9, 200] = -NAN
-    return x.to(torch.bfloat16).cuda()
+    return x.to(torch.bfloat16).to(device)
+
+
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_rsigma_oracle_tolerance_is_defined(eps):
+    """The rsigma oracle's tolerance is a positive number on every special row (a NaN tolerance fails any
+    comparison: the NaN rows are checked as NaN rows instead)."""
+    for T, K in ((10, 1536), (300, 512)):
+        _, tol = _rsigma_oracle(_special_x(T, K, device="cpu"), eps)
+        assert not tol.isnan().any() and (tol > 0).all(), tol
 
 
 @pytest.mark.gpu
