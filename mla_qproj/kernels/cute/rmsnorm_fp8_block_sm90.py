@@ -14,15 +14,18 @@ first row block, 16-31: its second), so a thread holds 16 tokens x 8 columns = 6
 - x is loaded once, all 16 loads of a thread issued up front (16-byte `ld.global.nc.v4`, each a warp's 512 contiguous
   bytes of one row; rows past T are predicated off and read as 0), and stays in registers to the end: 64 registers
   of data, 128 in all (ptxas, sm_90a: no spills), two CTAs an SM (two CTAs' 128 KB of loads in flight; one CTA's
-  compute overlaps the other's loads) with shared memory to spare (~43 KB a CTA).
+  compute overlaps the other's loads) with shared memory to spare (~47 KB a CTA).
 - sum of squares: fma over the thread's 8 columns per token, then a transposed butterfly over the warp (xor 16, 8, 4,
   2 halve the 16 tokens a lane keeps, xor 1 ends it: 16 shuffles for 16 tokens instead of 80) leaves each lane pair
-  the CTA's partial of one token (the warp spans all 256 columns of the CTA). Partials go to shared memory; a cluster
-  barrier (arrive.release / wait.acquire); thread i < 128 reads token i's C partials through distributed shared
-  memory (mapa + ld.shared::cluster) and sums them in rank order, so every CTA of the cluster has rsigma's identical
-  bits: rsigma = 1 / sqrt(sum / K + eps) with div.rn and sqrt.rn (the Triton rsigma kernel's formula). The CTA then
-  arrives on a second cluster barrier, waited on just before exit: no CTA leaves (its shared memory released) while
-  another may still read its partials.
+  the CTA's partial of one token (the warp spans all 256 columns of the CTA). Partials go to shared memory; after a
+  CTA barrier warp 0 pushes the CTA's 128 partials to every CTA of the cluster, itself included (st.async, 16 bytes a
+  lane a rank, each completing its bytes on the receiving CTA's mbarrier, which expects C x 512), and thread i < 128
+  sums token i's C partials in rank order once its mbarrier's phase completes, so every CTA of the cluster has
+  rsigma's identical bits: rsigma = 1 / sqrt(sum / K + eps) with div.rn and sqrt.rn (the Triton rsigma kernel's
+  formula). A push needs no release fence (a pull through ld.shared::cluster needs a release arrive, whose fence
+  waits on the memory system, and an exit barrier so that no CTA leaves while another reads its shared memory); a
+  CTA never goes on before every write addressed to it has landed. The mbarriers are initialized before any st.async
+  can reach them: a relaxed cluster arrive at the start, its wait after the sum of squares.
 - xn = (x * rsigma) * g with two mul.rn (no contraction), recomputed in each pass (2 multiplies) instead of held.
   Pass 1: amaxes (abs + max.f32, which ignores NaN): per token over the thread's 8 columns, then a transposed
   butterfly over the 16 lanes of a row block (xor 8, 4, 2, 1: 15 shuffles) leaves lane l the amax of token l % 16 in
@@ -196,13 +199,15 @@ def _stg_f32(addr: cutlass.Int64, v: cutlass.Float32, pred: cutlass.Int32, *, lo
 
 
 @dsl_user_op
-def _ld_dsmem_f32(smem_addr: cutlass.Int32, rank: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
-    """The fp32 at this shared-memory address in the CTA of cluster rank `rank` (distributed shared memory). Ordered
-    as a memory access (side effects, memory clobber): it must stay after the cluster barrier's wait."""
-    return F32(llvm.inline_asm(
-        F32.mlir_type, [I32(smem_addr).ir_value(loc=loc, ip=ip), I32(rank).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 a; mapa.shared::cluster.u32 a, $1, $2; ld.shared::cluster.f32 $0, [a]; }",
-        "=f,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+def _st_async4(smem_addr: cutlass.Int32, rank: cutlass.Int32, mbar_addr: cutlass.Int32, a: cutlass.Int32,
+               b: cutlass.Int32, c: cutlass.Int32, d: cutlass.Int32, *, loc=None, ip=None) -> None:
+    """16 bytes to this shared-memory address in the CTA of cluster rank `rank`, completing 16 bytes of the
+    transaction count of that CTA's mbarrier at mbar_addr (both addresses as in this CTA: mapa translates them)."""
+    llvm.inline_asm(None, [I32(v).ir_value(loc=loc, ip=ip) for v in (smem_addr, rank, mbar_addr, a, b, c, d)],
+                    "{ .reg .b32 ra, rb; mapa.shared::cluster.u32 ra, $0, $1; mapa.shared::cluster.u32 rb, $2, $1; "
+                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [ra], {$3, $4, $5, $6}, [rb]; }",
+                    "r,r,r,r,r,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def _scale_rule(amax, pow2: bool):
@@ -267,6 +272,14 @@ class RMSNormFp8BlockSm90:
 
         smem = cutlass.memory.SmemAllocator()
         sPart = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # this CTA's partials
+        sAll = smem.allocate_tensor(F32, cute.make_layout((FP8_BLOCK, C)), byte_alignment=16)  # (token, rank)
+        mbar = smem.allocate_tensor(I64, cute.make_layout(1), byte_alignment=8)
+        # every CTA's partials arrive here by st.async, counted on this mbarrier. The peers' mbarriers must be
+        # initialized before the first st.async: a relaxed cluster arrive now, its wait once the loads are issued
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar.iterator, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
         sRs = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # rsigma of the tile
         sRowSc = smem.allocate_tensor(F32, cute.make_layout((TOKENS, 2, 8)), byte_alignment=16)  # (token, blk, warp)
         sColAm = smem.allocate_tensor(F32, cute.make_layout((COLS, 8)), byte_alignment=16)  # (column, warp)
@@ -317,22 +330,27 @@ class RMSNormFp8BlockSm90:
         tok_s = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
         if lane % 2 == 0:
             sPart[warp * TOKENS + tok_s] = s_tok
-        # ---- every CTA's partials written (release) and visible (acquire)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+        # ---- warp 0 sends the CTA's 128 partials to every CTA of the cluster (itself included), 16 bytes a
+        # lane a rank; each CTA then sums the C partials of a token in rank order
+        cute.arch.cluster_wait()  # the peers' mbarriers initialized
+        cute.arch.sync_threads()  # sPart complete
+        mbar_addr = mbar.iterator.toint()
+        if warp == 0:
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator, C * FP8_BLOCK * 4)
+            pw = _lds4((sPart.iterator + lane * 4).toint())
+            dst = (sAll.iterator + rank * FP8_BLOCK + lane * 4).toint()
+            for r in cutlass.range_constexpr(C):
+                _st_async4(dst, I32(r), mbar_addr, pw[0], pw[1], pw[2], pw[3])
+        cute.arch.mbarrier_wait(mbar.iterator, 0)
         if tidx < FP8_BLOCK:
-            part_addr = (sPart.iterator + tidx).toint()
-            tot = _ld_dsmem_f32(part_addr, I32(0))
+            tot = sAll[(tidx, 0)]
             for r in cutlass.range_constexpr(1, C):
-                tot = _add_rn(tot, _ld_dsmem_f32(part_addr, I32(r)))
+                tot = _add_rn(tot, sAll[(tidx, r)])
             rs = _div_rn(F32(1.0), _sqrt_rn(_add_rn(_div_rn(tot, F32(float(K))), eps)))
             sRs[tidx] = rs
-        # done reading the other CTAs' shared memory: the matching wait is at the end (no CTA exits before). Before
-        # the rsigma store: the arrive's release fence (MEMBAR.GPU) then has no store to wait for
-        cute.arch.cluster_arrive()
-        if tidx < FP8_BLOCK:
             t_rs = tile * FP8_BLOCK + tidx
-            _stg_f32(mRs.iterator.toint() + I64(t_rs) * 4, sRs[tidx],
+            _stg_f32(mRs.iterator.toint() + I64(t_rs) * 4, rs,
                      I32(cutlass.select_((rank == 0) & (t_rs < T), I32(1), I32(0))))
         cute.arch.sync_threads()
         rsv = [sRs[warp * TOKENS + j] for j in range(TOKENS)]
@@ -413,7 +431,6 @@ class RMSNormFp8BlockSm90:
                 wd = _lds4(sColQ.iterator.toint() + cl * FP8_BLOCK + ((k ^ ((cl >> 3) & 7)) * 16))
                 r = (p >> 1) & 3  # the words' rotation: (cl >> 6) & 3, the same for the whole pass
                 _stg4(cq_base + I64(c_cta + cl) * I64(t_pad) + I64(t_k), *[wd[qq ^ r] for qq in range(4)], ok)
-        cute.arch.cluster_wait()
 
     @staticmethod
     def _butterfly(vals: list, lane, masks, op) -> list:
