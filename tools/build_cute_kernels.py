@@ -17,8 +17,8 @@ The RMSNorm + block-scaled FP8 quantize kernel (`rmsnorm_fp8_block_sm90.py`): --
 (training and inference, fp32 and bf16 norm weights, both gamma forms, pow2 scales); --preset tests adds the GPU lane's
 (tests/ops/test_cute_rmsnorm_fp8_block.py); --rmsnorm-only skips the GEMM kernels. Its report: registers, stack,
 LDL / STL, cluster barriers (UCGABAR_ARV / _WAIT), the partial sums' 16-byte stores to the cluster's shared memory
-(STAS.128: st.async), generic loads (LD.E: none; a pull through ld.shared::cluster would show here), 16-byte global loads (LDG.E.128), E4M3 conversions (F2FP ... E4M3), 8- and 16-byte
-code stores, shuffles.
+(STAS.128: st.async), generic loads (LD.E: none; a pull through ld.shared::cluster would show here), 16-byte global
+loads (LDG.E.128), E4M3 conversions (F2FP ... E4M3), 8- and 16-byte code stores, shuffles.
 
 Needs `nvidia-cutlass-dsl`, `apache-tvm-ffi` and (for the SASS) `nvidia-cuda-cuobjdump`; --out also needs a C
 compiler (`c++`) to link the shared objects.
