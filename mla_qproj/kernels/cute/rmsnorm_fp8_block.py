@@ -5,7 +5,7 @@ from (prebuilt or compiled here: `rope_gemm`'s runtime loading), the launcher.
                        scale_inv [ceil(T/128), K]
 
 the five tensors of `kernels.triton.rmsnorm_fp8_block.rmsnorm_fp8_block_fwd`, with its bytes given this kernel's rsigma
-(`rmsnorm_fp8_block_sm90.py`: x read once, clusters of K/256 CTAs per 128 tokens). The Triton launcher calls
+(`rmsnorm_fp8_block_sm90.py`: x read once, clusters of K/128 CTAs per 128 tokens). The Triton launcher calls
 `serves` and hands the call here when it is True.
 """
 
@@ -29,14 +29,14 @@ from .rope_gemm import (  # noqa: F401 (ENV_DISABLE, RUNTIME_LIB: re-exported fo
 
 FUNCTION = "rmsnorm_fp8_block"
 BLOCK_SCALES = ("pow2", "fp32")  # "deepseek" stays on the Triton kernels
-COLS = 256  # columns per CTA (rmsnorm_fp8_block_sm90.COLS, without importing the DSL)
-MAX_CLUSTER = 8
+COLS = 128  # columns per CTA (rmsnorm_fp8_block_sm90.COLS, without importing the DSL)
+MAX_CLUSTER = 16
 MAX_TILES = 65535  # a CUDA grid's y extent: 128-token tiles
 
 
 def supported(K: int, x_dtype: torch.dtype, w_dtype: torch.dtype, block_scale: str) -> bool:
-    """Calls the kernel covers: bf16 x, fp32 or bf16 norm weight, K a multiple of 256 up to 2048 (whole 1x128 block
-    pairs per CTA, at most 8 CTAs a cluster), "pow2" or "fp32" scales."""
+    """Calls the kernel covers: bf16 x, fp32 or bf16 norm weight, K a multiple of 128 up to 2048 (a whole 1x128 block
+    per CTA, at most 16 CTAs a cluster), "pow2" or "fp32" scales."""
     return (isinstance(K, int) and K > 0 and K % COLS == 0 and K // COLS <= MAX_CLUSTER
             and x_dtype == torch.bfloat16 and w_dtype in (torch.float32, torch.bfloat16)
             and block_scale in BLOCK_SCALES)

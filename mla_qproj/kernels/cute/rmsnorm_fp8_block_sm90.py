@@ -6,46 +6,49 @@ rsigma fp32 [T]; (a) 1x128 blocks along K: codes [T, K], scale_inv M-major [K/12
 [ceil(T/128), K].
 
 # %% Design
-One cluster of C = K / 256 CTAs per 128 tokens (grid (C, ceil(T/128)), cluster (C, 1, 1); K = 1536: C = 6, clusters
-of up to 8 CTAs are portable): CTA `rank` of the cluster owns columns [256 rank, 256 rank + 256), two whole 1x128
-blocks, so a row block never straddles CTAs and only the sum of squares crosses them. 256 threads (8 warps): warp w
-owns tokens [16 w, 16 w + 16) of the tile, lane l columns [8 l, 8 l + 8) of the CTA's 256 (lanes 0-15: the CTA's
-first row block, 16-31: its second), so a thread holds 16 tokens x 8 columns = 64 packed bf16x2 registers:
-- x is loaded once, all 16 loads of a thread issued up front (16-byte `ld.global.nc.v4`, each a warp's 512 contiguous
-  bytes of one row; rows past T are predicated off and read as 0), and stays in registers to the end: 64 registers
-  of data, 128 in all (ptxas, sm_90a: no spills), two CTAs an SM (two CTAs' 128 KB of loads in flight; one CTA's
-  compute overlaps the other's loads) with shared memory to spare (~47 KB a CTA).
-- sum of squares: fma over the thread's 8 columns per token, then a transposed butterfly over the warp (xor 16, 8, 4,
-  2 halve the 16 tokens a lane keeps, xor 1 ends it: 16 shuffles for 16 tokens instead of 80) leaves each lane pair
-  the CTA's partial of one token (the warp spans all 256 columns of the CTA). Partials go to shared memory; after a
-  CTA barrier warp 0 pushes the CTA's 128 partials to every CTA of the cluster, itself included (st.async, 16 bytes a
-  lane a rank, each completing its bytes on the receiving CTA's mbarrier, which expects C x 512), and thread i < 128
+One cluster of C = K / 128 CTAs per 128 tokens (grid (C, ceil(T/128)), cluster (C, 1, 1); K = 1536: C = 12, past the
+8 portable CTAs: sm_90 launches up to 16 a cluster, which the DSL allows its kernels): CTA `rank` of the cluster owns
+columns [128 rank, 128 rank + 128), one whole 1x128 block, so a row block never straddles CTAs and only the sum of
+squares crosses them. 256 threads (8 warps): warp w owns tokens [16 w, 16 w + 16) of the tile, its lanes 0-15 the first
+8, lanes 16-31 the next 8 (the lane's `half`), lane l columns [8 (l % 16), 8 (l % 16) + 8) of the CTA's 128, so a thread
+holds 8 tokens x 8 columns = 32 packed bf16x2 registers:
+- x is loaded once, all 8 loads of a thread issued up front (16-byte `ld.global.nc.v4`, each a warp's 2 x 256
+  contiguous bytes of two rows; rows past T are predicated off and read as 0), and stays in registers to the end: 32
+  registers of data, 80 in all (ptxas, sm_90a: no spills), three CTAs an SM (96 KB of loads in flight; the CTAs of
+  an SM drift apart, so one's compute overlaps another's loads) with shared memory to spare (~27 KB a CTA). Half the
+  columns of the former two-block CTA: a CTA's compute (the SM idles on it in the first wave and in the last) halves.
+- sum of squares: fma over the thread's 8 columns per token, then a transposed butterfly over the half-warp (xor 8,
+  4, 2 halve the 8 tokens a lane keeps, xor 1 ends it: 8 shuffles for 8 tokens instead of 32) leaves each lane pair
+  the CTA's partial of one token (the half-warp spans all 128 columns of the CTA). Partials go to shared memory; after
+  a CTA barrier warp 0 pushes the CTA's 128 partials to every CTA of the cluster, itself included (st.async, 16 bytes
+  a lane a rank, each completing its bytes on the receiving CTA's mbarrier, which expects C x 512), and thread i < 128
   sums token i's C partials in rank order once its mbarrier's phase completes, so every CTA of the cluster has
   rsigma's identical bits: rsigma = 1 / sqrt(sum / K + eps) with div.rn and sqrt.rn (the Triton rsigma kernel's
-  formula). A push needs no release fence (a pull through ld.shared::cluster needs a release arrive, whose fence
-  waits on the memory system, and an exit barrier so that no CTA leaves while another reads its shared memory); a
-  CTA never goes on before every write addressed to it has landed. The mbarriers are initialized before any st.async
-  can reach them: a relaxed cluster arrive at the start, its wait after the sum of squares.
+  formula; its sum runs in another order, so the two rsigma may differ in the last bits). A push needs no release
+  fence (a pull through ld.shared::cluster needs a release arrive, whose fence waits on the memory system, and an exit
+  barrier so that no CTA leaves while another reads its shared memory); a CTA never goes on before every write
+  addressed to it has landed. The mbarriers are initialized before any st.async can reach them: a relaxed cluster
+  arrive at the start, its wait after the sum of squares.
 - xn = (x * rsigma) * g with two mul.rn (no contraction), recomputed in each pass (2 multiplies) instead of held.
-  Pass 1: amaxes (abs + max.f32, which ignores NaN): per token over the thread's 8 columns, then a transposed
-  butterfly over the 16 lanes of a row block (xor 8, 4, 2, 1: 15 shuffles) leaves lane l the amax of token l % 16 in
-  block l / 16: one scale a lane (the SPEC's rule as in `reference.fp8_block.fp8_block_scale`: div.rn, FLT_MAX on
-  overflow, pow2 clears the mantissa; scale_inv = div.rn(1, scale)), whose scale_inv store is 16 contiguous tokens of
-  [K/128, T]. Per column over the thread's 16 tokens, then across the 8 warps in shared memory: thread c reduces
-  column c, stores its scale_inv (256 contiguous floats of [ceil(T/128), K]). Rows past T hold x = 0, so their xn is
-  0 (or NaN with an inf / NaN weight, or rsigma inf with eps 0), which never changes a column's scale: amax 0 and NaN
-  both give scale 1.
+  Pass 1: amaxes (abs + max.f32, which ignores NaN): per token over the thread's 8 columns, then the half-warp's
+  transposed butterfly (xor 8, 4, 2, 1) leaves lanes l, l ^ 1 the amax of the same token as the sum of squares: one
+  scale a lane pair (the SPEC's rule as in `reference.fp8_block.fp8_block_scale`: div.rn, FLT_MAX on overflow, pow2
+  clears the mantissa; scale_inv = div.rn(1, scale)), stored by the even lane into [K/128, T] (8 contiguous tokens a
+  half-warp). Per column over the thread's 8 tokens, then with the other half (xor 16), then across the 8 warps in
+  shared memory: thread c < 128 reduces column c, stores its scale_inv (128 contiguous floats of [ceil(T/128), K]).
+  Rows past T hold x = 0, so their xn is 0 (or NaN with an inf / NaN weight, or rsigma inf with eps 0), which never
+  changes a column's scale: amax 0 and NaN both give scale 1.
 - Pass 2, four tokens at a time: codes = cvt.rn.satfinite.e4m3x2.f32 of fp32(xn * scale) (round to nearest even,
-  saturate to ±448, NaN -> 0x7F); a token's 8 row codes are one 8-byte store (a warp writes 256 contiguous bytes of a
-  row), a column's codes of 4 tokens one 32-bit word (masked to zero bytes for tokens >= T), written to shared
-  memory: the CTA's 256 columns x 128 tokens of codes (32 KB, a column's 16-byte chunk k of tokens [16 k, 16 k + 16)
-  at chunk k ^ ((column >> 3) & 7), its words rotated by (column >> 6) & 3, so neither the writers' 4-byte stores nor
+  saturate to ±448, NaN -> 0x7F); a token's 8 row codes are one 8-byte store (a half-warp writes 128 contiguous bytes
+  of a row), a column's codes of 4 tokens one 32-bit word (masked to zero bytes for tokens >= T), written to shared
+  memory: the CTA's 128 columns x 128 tokens of codes (16 KB, a column's 16-byte chunk k of tokens [16 k, 16 k + 16)
+  at chunk k ^ ((column >> 3) & 7), its words rotated by (column >> 6) & 1, so neither the writers' 4-byte stores nor
   the readers' 16-byte loads conflict on banks). After a CTA barrier, 8 lanes read one column's 128 tokens and store
   them as one whole 128-byte line of the transposed [K, T_pad] (16-aligned: T_pad % 16 == 0; chunks at or past T_pad
   are skipped): writes of whole lines, where a thread's own column store would cover 16 bytes of a 32-byte sector.
 Global addresses are 64-bit (T * K may pass 2^31). T is a run-time extent: one binary serves every T (grid y <= 65535:
 T <= 8,388,480). The kernel is compiled per (K, columnwise, norm-weight dtype fp32 / bf16, zero-centered gamma, block
-scale "pow2" / "fp32"); "deepseek" scales, other dtypes of x and K not a multiple of 256 up to 2048 stay on the
+scale "pow2" / "fp32"); "deepseek" scales, other dtypes of x and K not a multiple of 128 up to 2048 stay on the
 Triton kernels.
 """
 
@@ -62,12 +65,12 @@ from ..._constants import E4M3_MAX, FP8_BLOCK
 from .rope_gemm_sm90 import _absmax, _asm, _bits_f32, _f32_bits, _fma_rn, _fmax, _mul_rn
 
 F32, I32, I64 = cutlass.Float32, cutlass.Int32, cutlass.Int64
-COLS = 256  # columns of x per CTA: two 1x128 blocks
-THREADS = 256  # 8 warps: 16 tokens each
-TOKENS = 16  # tokens per thread (and per warp)
+COLS = 128  # columns of x per CTA: one 1x128 block
+THREADS = 256  # 8 warps: 16 tokens each, 8 a half-warp
+TOKENS = 8  # tokens per thread
 VEC = 8  # columns per thread (one 16-byte load of bf16)
 BLOCK_SCALES = ("pow2", "fp32")
-MAX_CLUSTER = 8  # portable cluster size
+MAX_CLUSTER = 16  # the largest (non-portable) cluster sm_90 launches
 
 
 def cluster_size(K: int) -> int:
@@ -228,7 +231,7 @@ def _scale_rule(amax, pow2: bool):
 
 class RMSNormFp8BlockSm90:
     """rsigma, xn's 1x128 codes + M-major scale_inv and (columnwise) 128x1 codes transposed + scale_inv, from x [T, K]
-    bf16 read once; clusters of K/256 CTAs per 128 tokens."""
+    bf16 read once; clusters of K/128 CTAs per 128 tokens."""
 
     def __init__(self, K: int, columnwise: bool, zero_centered: bool, block_scale: str = "pow2",
                  w_dtype=cutlass.Float32):
@@ -281,7 +284,7 @@ class RMSNormFp8BlockSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
         sRs = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # rsigma of the tile
-        sRowSc = smem.allocate_tensor(F32, cute.make_layout((TOKENS, 2, 8)), byte_alignment=16)  # (token, blk, warp)
+        sRowSc = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # row scale of a token
         sColAm = smem.allocate_tensor(F32, cute.make_layout((COLS, 8)), byte_alignment=16)  # (column, warp)
         sColSc = smem.allocate_tensor(F32, cute.make_layout(COLS), byte_alignment=16)
         # the tile's column codes transposed, [256 columns][128 tokens] bytes (32 KB); a column's 16-byte chunk k
@@ -289,11 +292,14 @@ class RMSNormFp8BlockSm90:
         # writers' 4-byte stores and the readers' 16-byte loads are free of bank conflicts
         sColQ = smem.allocate_tensor(I32, cute.make_layout(COLS * FP8_BLOCK // 4), byte_alignment=128)
 
-        t_base = tile * FP8_BLOCK + warp * TOKENS  # the thread's first token
+        half = lane >> 4  # which 8 of the warp's 16 tokens
+        cg = lane & 15  # column group: the thread's 8 columns of the CTA's 128
+        t_loc = warp * TOKENS * 2 + half * TOKENS  # the thread's first token in the tile
+        t_base = tile * FP8_BLOCK + t_loc
         c_cta = rank * COLS
-        c_thr = c_cta + lane * VEC  # the thread's first column
+        c_thr = c_cta + cg * VEC  # the thread's first column
         x_base = mX.iterator.toint()
-        # ---- x: 16 loads of 16 bytes, issued together; rows past T read as 0
+        # ---- x: 8 loads of 16 bytes, issued together; rows past T read as 0
         xw = []
         for j in cutlass.range_constexpr(TOKENS):
             t = t_base + j
@@ -317,7 +323,7 @@ class RMSNormFp8BlockSm90:
             wd = xw[j][c // 2]
             return _lo_bf16(wd, tag) if c % 2 == 0 else _hi_bf16(wd, tag)
 
-        # ---- sum of squares: the thread's 8 columns per token, then the warp's 256 (transposed butterfly)
+        # ---- sum of squares: the thread's 8 columns per token, then the half-warp's 128 (transposed butterfly)
         ss = []
         for j in cutlass.range_constexpr(TOKENS):
             s = F32(0.0)
@@ -325,11 +331,11 @@ class RMSNormFp8BlockSm90:
                 v = xval(j, c, 0)
                 s = _fma_rn(v, v, s)
             ss.append(s)
-        ss = self._butterfly(ss, lane, (16, 8, 4, 2), _add_rn)  # lane keeps token 8 b4 + 4 b3 + 2 b2 + b1
+        ss = self._butterfly(ss, lane, (8, 4, 2), _add_rn)  # lane keeps token 4 b3 + 2 b2 + b1 of its half
         s_tok = _add_rn(ss[0], cute.arch.shuffle_sync_bfly(ss[0], 1))  # lanes l, l ^ 1: the same bits
-        tok_s = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
+        tok = ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
         if lane % 2 == 0:
-            sPart[warp * TOKENS + tok_s] = s_tok
+            sPart[t_loc + tok] = s_tok
         # ---- warp 0 sends the CTA's 128 partials to every CTA of the cluster (itself included), 16 bytes a
         # lane a rank; each CTA then sums the C partials of a token in rank order
         cute.arch.cluster_wait()  # the peers' mbarriers initialized
@@ -353,7 +359,7 @@ class RMSNormFp8BlockSm90:
             _stg_f32(mRs.iterator.toint() + I64(t_rs) * 4, rs,
                      I32(cutlass.select_((rank == 0) & (t_rs < T), I32(1), I32(0))))
         cute.arch.sync_threads()
-        rsv = [sRs[warp * TOKENS + j] for j in range(TOKENS)]
+        rsv = [sRs[t_loc + j] for j in range(TOKENS)]
 
         def xn(j, c, tag):  # (x * rsigma) * g, the reference's op order
             return _mul_rn_t(_mul_rn_t(xval(j, c, tag), rsv[j], tag), g[c], tag)
@@ -369,39 +375,42 @@ class RMSNormFp8BlockSm90:
                 if cutlass.const_expr(self.columnwise):
                     ca[c] = _absmax(ca[c], v)
             ra.append(a)
-        ra = self._butterfly(ra, lane, (8, 4, 2, 1), _fmax)  # lane: token lane % 16 of block lane / 16
-        r_scale, r_sinv = _scale_rule(ra[0], self.pow2)
-        blk = lane >> 4
-        tok = lane & 15
+        ra = self._butterfly(ra, lane, (8, 4, 2), _fmax)
+        a_tok = _fmax(ra[0], cute.arch.shuffle_sync_bfly(ra[0], 1))  # lanes l, l ^ 1: token tok of the half
+        r_scale, r_sinv = _scale_rule(a_tok, self.pow2)
         t_own = t_base + tok
-        kb = rank * 2 + blk
-        _stg_f32(mRowS.iterator.toint() + (I64(kb) * T + I64(t_own)) * 4, r_sinv,
-                 I32(cutlass.select_(t_own < T, I32(1), I32(0))))
-        sRowSc[(tok, blk, warp)] = r_scale
+        if lane % 2 == 0:
+            _stg_f32(mRowS.iterator.toint() + (I64(rank) * T + I64(t_own)) * 4, r_sinv,
+                     I32(cutlass.select_(t_own < T, I32(1), I32(0))))
+            sRowSc[t_loc + tok] = r_scale
         if cutlass.const_expr(self.columnwise):
-            for c in cutlass.range_constexpr(VEC):
-                sColAm[(lane * VEC + c, warp)] = ca[c]
+            # the warp's 16 tokens: the two halves' column amaxes combined, stored by the first half
+            ca = [_fmax(v, cute.arch.shuffle_sync_bfly(v, 16)) for v in ca]
+            if half == 0:
+                for c in cutlass.range_constexpr(VEC):
+                    sColAm[(cg * VEC + c, warp)] = ca[c]
         cute.arch.sync_threads()
         if cutlass.const_expr(self.columnwise):
-            m = sColAm[(tidx, 0)]
-            for w in cutlass.range_constexpr(1, 8):
-                m = _fmax(m, sColAm[(tidx, w)])
-            c_scale, c_sinv = _scale_rule(m, self.pow2)
-            mColS[(tile, c_cta + tidx)] = c_sinv  # [ceil(T/128), K]: the tile exists
-            sColSc[tidx] = c_scale
+            if tidx < COLS:
+                m = sColAm[(tidx, 0)]
+                for w in cutlass.range_constexpr(1, 8):
+                    m = _fmax(m, sColAm[(tidx, w)])
+                c_scale, c_sinv = _scale_rule(m, self.pow2)
+                mColS[(tile, c_cta + tidx)] = c_sinv  # [ceil(T/128), K]: the tile exists
+                sColSc[tidx] = c_scale
             cute.arch.sync_threads()
-        csc = [sColSc[lane * VEC + c] for c in range(VEC)] if self.columnwise else []
+        csc = [sColSc[cg * VEC + c] for c in range(VEC)] if self.columnwise else []
 
         # ---- pass 2: codes, four tokens at a time
         rq_base = mRowQ.iterator.toint()
-        # writer: column lane * 8 + c, chunk warp, word q
-        cq_w = (sColQ.iterator.toint() + lane * (VEC * FP8_BLOCK) + ((warp ^ (lane & 7)) * 16)
+        # writer: column cg * 8 + c, chunk warp (the column's tokens 16 warp ..), word 2 half + q
+        cq_w = (sColQ.iterator.toint() + cg * (VEC * FP8_BLOCK) + ((warp ^ (cg & 7)) * 16)
                 if self.columnwise else None)
-        for q in cutlass.range_constexpr(4):
+        for q in cutlass.range_constexpr(2):
             cv = [[None] * 4 for _ in range(VEC)]
             for jj in cutlass.range_constexpr(4):
                 j = 4 * q + jj
-                rsc = sRowSc[(j, lane >> 4, warp)]
+                rsc = sRowSc[t_loc + j]
                 vals = []
                 for c in cutlass.range_constexpr(VEC):
                     v = xn(j, c, 2)
@@ -415,7 +424,7 @@ class RMSNormFp8BlockSm90:
                 n_ok = cutlass.min(cutlass.max(T - (t_base + 4 * q), I32(0)), I32(4))
                 # bytes of tokens < T kept (no shift by 32: n_ok = 4 is the select's other arm)
                 mask = cutlass.select_(n_ok == 4, I32(-1), (I32(1) << (cutlass.min(n_ok, I32(3)) * 8)) - 1)
-                wq = cq_w + ((q ^ ((lane >> 3) & 3)) * 4)
+                wq = cq_w + (((2 * half + q) ^ (cg >> 3)) * 4)
                 for c in cutlass.range_constexpr(VEC):
                     _sts32(wq + c * FP8_BLOCK, _e4m3x4(*cv[c]) & mask)
         if cutlass.const_expr(self.columnwise):
@@ -429,15 +438,15 @@ class RMSNormFp8BlockSm90:
             for p in cutlass.range_constexpr(COLS // 32):
                 cl = p * 32 + warp * 4 + (lane >> 3)
                 wd = _lds4(sColQ.iterator.toint() + cl * FP8_BLOCK + ((k ^ ((cl >> 3) & 7)) * 16))
-                r = (p >> 1) & 3  # the words' rotation: (cl >> 6) & 3, the same for the whole pass
+                r = (p >> 1) & 1  # the words' rotation: (cl >> 6) & 1, the same for the whole pass
                 _stg4(cq_base + I64(c_cta + cl) * I64(t_pad) + I64(t_k), *[wd[qq ^ r] for qq in range(4)], ok)
 
     @staticmethod
     def _butterfly(vals: list, lane, masks, op) -> list:
         """A transposed reduction over lanes: at each xor mask m, a lane with (lane & m) keeps the upper half of its
         list and sends the lower half to its partner, which does the reverse; op(kept, received) (commutative, so
-        both partners of a pair compute the same bits). 16 values over masks (8, 4, 2, 1) end in one value a lane:
-        the reduction over the 16 lanes of token 8 b3 + 4 b2 + 2 b1 + b0 (b_i: lane's bit i)."""
+        both partners of a pair compute the same bits). 8 values over masks (8, 4, 2) end in one value a lane: the
+        reduction over the lane's 8-lane group of token 4 b3 + 2 b2 + b1 (b_i: lane's bit i), which xor 1 completes."""
         for m in masks:
             n = len(vals) // 2
             up = (lane & m) != 0
