@@ -14,8 +14,8 @@ squares crosses them. 256 threads (8 warps): warp w owns tokens [16 w, 16 w + 16
 holds 8 tokens x 8 columns = 32 packed bf16x2 registers:
 - x is loaded once, all 8 loads of a thread issued up front (16-byte `ld.global.nc.v4`, each a warp's 2 x 256
   contiguous bytes of two rows; rows past T are predicated off and read as 0), and stays in registers to the end: 32
-  registers of data, 80 in all (ptxas, sm_90a: no spills), three CTAs an SM (96 KB of loads in flight; the CTAs of
-  an SM drift apart, so one's compute overlaps another's loads) with shared memory to spare (~27 KB a CTA). Half the
+  registers of data, 80 in all (ptxas, sm_90a: no spills), three CTAs an SM (96 KB of loads in flight) with shared
+  memory to spare (~27 KB a CTA). Half the
   columns of the former two-block CTA: a CTA's compute (the SM idles on it in the first wave and in the last) halves.
 - sum of squares: fma over the thread's 8 columns per token, then a transposed butterfly over the half-warp (xor 8,
   4, 2 halve the 8 tokens a lane keeps, xor 1 ends it: 8 shuffles for 8 tokens instead of 32) leaves each lane pair
@@ -287,8 +287,8 @@ class RMSNormFp8BlockSm90:
         sRowSc = smem.allocate_tensor(F32, cute.make_layout(FP8_BLOCK), byte_alignment=16)  # row scale of a token
         sColAm = smem.allocate_tensor(F32, cute.make_layout((COLS, 8)), byte_alignment=16)  # (column, warp)
         sColSc = smem.allocate_tensor(F32, cute.make_layout(COLS), byte_alignment=16)
-        # the tile's column codes transposed, [256 columns][128 tokens] bytes (32 KB); a column's 16-byte chunk k
-        # (tokens 16 k ..) sits at chunk k ^ ((column >> 3) & 7), its words rotated by (column >> 6) & 3: the
+        # the tile's column codes transposed, [128 columns][128 tokens] bytes (16 KB); a column's 16-byte chunk k
+        # (tokens 16 k ..) sits at chunk k ^ ((column >> 3) & 7), its words rotated by (column >> 6) & 1: the
         # writers' 4-byte stores and the readers' 16-byte loads are free of bank conflicts
         sColQ = smem.allocate_tensor(I32, cute.make_layout(COLS * FP8_BLOCK // 4), byte_alignment=128)
 
@@ -331,8 +331,7 @@ class RMSNormFp8BlockSm90:
                 v = xval(j, c, 0)
                 s = _fma_rn(v, v, s)
             ss.append(s)
-        ss = self._butterfly(ss, lane, (8, 4, 2), _add_rn)  # lane keeps token 4 b3 + 2 b2 + b1 of its half
-        s_tok = _add_rn(ss[0], cute.arch.shuffle_sync_bfly(ss[0], 1))  # lanes l, l ^ 1: the same bits
+        s_tok = self._butterfly(ss, lane, (8, 4, 2, 1), _add_rn)[0]  # token 4 b3 + 2 b2 + b1 of the lane's half
         tok = ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
         if lane % 2 == 0:
             sPart[t_loc + tok] = s_tok
@@ -375,8 +374,7 @@ class RMSNormFp8BlockSm90:
                 if cutlass.const_expr(self.columnwise):
                     ca[c] = _absmax(ca[c], v)
             ra.append(a)
-        ra = self._butterfly(ra, lane, (8, 4, 2), _fmax)
-        a_tok = _fmax(ra[0], cute.arch.shuffle_sync_bfly(ra[0], 1))  # lanes l, l ^ 1: token tok of the half
+        a_tok = self._butterfly(ra, lane, (8, 4, 2, 1), _fmax)[0]  # token tok of the lane's half
         r_scale, r_sinv = _scale_rule(a_tok, self.pow2)
         t_own = t_base + tok
         if lane % 2 == 0:
@@ -445,9 +443,13 @@ class RMSNormFp8BlockSm90:
     def _butterfly(vals: list, lane, masks, op) -> list:
         """A transposed reduction over lanes: at each xor mask m, a lane with (lane & m) keeps the upper half of its
         list and sends the lower half to its partner, which does the reverse; op(kept, received) (commutative, so
-        both partners of a pair compute the same bits). 8 values over masks (8, 4, 2) end in one value a lane: the
-        reduction over the lane's 8-lane group of token 4 b3 + 2 b2 + b1 (b_i: lane's bit i), which xor 1 completes."""
+        both partners of a pair compute the same bits); a mask met with one value left combines it with the
+        partner's. 8 values over masks (8, 4, 2, 1) end in one value a lane: the reduction over the lane's 16-lane
+        half of token 4 b3 + 2 b2 + b1 (b_i: lane's bit i), the same bits on lanes l and l ^ 1."""
         for m in masks:
+            if len(vals) == 1:
+                vals = [op(F32(vals[0]), cute.arch.shuffle_sync_bfly(F32(vals[0]), m))]
+                continue
             n = len(vals) // 2
             up = (lane & m) != 0
             out = []
