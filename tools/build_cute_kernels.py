@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 (Path(args.sass) / f"{name}.sass").write_text(rep["sass"])
             print(f"{name}: " + " ".join(f"{k}={v}" for k, v in rep.items() if k != "sass"))
             ok &= (rep["STACK"] == 0 and rep["LDL"] + rep["STL"] == 0 and rep["UCGABAR_ARV"] >= 1
-                   and rep["STAS.128"] >= 1 and rep["LDG.E.128"] >= 16 and rep["F2FP_E4M3"] > 0)
+                   and rep["STAS.128"] >= 1 and rep["LDG.E.128"] >= 9 and rep["F2FP_E4M3"] > 0)
             if out:
                 print("  ->", export(fn, out, name, rmsnorm_fp8_block.FUNCTION))
     return 0 if ok else 1
