@@ -13,6 +13,7 @@ forms and weight dtypes, pow2 and fp32 scales, training and inference; and the s
 from __future__ import annotations
 
 import importlib.util
+import operator
 import sys
 from pathlib import Path
 
@@ -32,8 +33,8 @@ HAS_DSL = importlib.util.find_spec("cutlass") is not None and importlib.util.fin
 B = F.FP8_BLOCK
 F8 = torch.float8_e4m3fn
 # cluster sizes (K / 128) the GPU property draws: every one where the DSL compiles, else the prebuilt Ks
-# (tools/build_cute_kernels.py --preset tests: 512, 1536, 2048)
-CLUSTERS = [1, 2, 3, 4, 6, 8, 12, 16] if HAS_DSL else [4, 12, 16]
+# (tools/build_cute_kernels.py --preset tests: 384, 512, 1536, 2048)
+CLUSTERS = [1, 2, 3, 4, 6, 8, 12, 16] if HAS_DSL else [3, 4, 12, 16]
 
 
 def _tools():
@@ -70,11 +71,11 @@ def test_off_gpu_never_serves():
     assert not cute_rms.serves("not a tensor", w, "pow2")  # never raises
 
 
-def _butterfly(vals: list[list[int]], masks) -> list[list[int]]:
-    """`RMSNormFp8BlockSm90._butterfly` on 32 lanes in plain Python (op: +, exact on integers)."""
+def _butterfly(vals: list[list], masks, op=operator.add) -> list[list]:
+    """`RMSNormFp8BlockSm90._butterfly` on 32 lanes in plain Python (op: + by default, exact on integers)."""
     for m in masks:
         if len(vals[0]) == 1:  # one value left: combined with the partner's
-            vals = [[vals[lane][0] + vals[lane ^ m][0]] for lane in range(32)]
+            vals = [[op(vals[lane][0], vals[lane ^ m][0])] for lane in range(32)]
             continue
         n = len(vals[0]) // 2
         out = []
@@ -83,7 +84,7 @@ def _butterfly(vals: list[list[int]], masks) -> list[list[int]]:
             keep = vals[lane][n:] if up else vals[lane][:n]
             partner = vals[lane ^ m]
             send = partner[n:] if up else partner[:n]  # the partner sends the half this lane keeps
-            out.append([k + s for k, s in zip(keep, send, strict=True)])
+            out.append([op(k, s) for k, s in zip(keep, send, strict=True)])
         vals = out
     return vals
 
@@ -97,6 +98,92 @@ def test_butterfly_token_mapping():
         tok = ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 + ((lane >> 1) & 1)
         half = range(16 * (lane // 16), 16 * (lane // 16) + 16)
         assert red[lane][0] == sum(vals[ln][tok] for ln in half), lane
+
+
+def _rows_geometry(K: int, R: int) -> tuple[int, int, int, int]:
+    """The inference form's (C, n, S, shift) by its formulas (rmsnorm_fp8_block_rows_sm90.py): K / 128 blocks, n
+    256-column chunks, S slots (R n up to a power of two), slot s ending on the lanes 16 h + (s << shift)."""
+    C, n = K // 128, -(-K // 256)
+    S = 1 << (R * n - 1).bit_length()
+    return C, n, S, 4 - (S.bit_length() - 1)
+
+
+def _tree(a, b):
+    """A commutative, non-associative stand-in for fp32 +: its result is the reduction's shape."""
+    return frozenset((a, b))
+
+
+@pytest.mark.parametrize("K", range(128, 2049, 128))
+@pytest.mark.parametrize("R", [1, 2])
+def test_rows_butterfly_slots_and_trees(K, R):
+    """The inference form's butterfly over S slots (row r, chunk i: slot r n + i) ends with slot (lane & 15) >> shift
+    on each lane, the sum over the lane's half (block 2 i + h); the lanes it gathers a row's block partials from and
+    its blocks' scales from hold them; and every slot's reduction tree over the 16 column groups is the training
+    form's for every token (so the partial sums, hence rsigma, have the same bits)."""
+    C, n, S, shift = _rows_geometry(K, R)
+    assert S <= 16 and R * n <= S < 2 * R * n
+    vals = [[1000 * lane + s for s in range(S)] for lane in range(32)]
+    red = _butterfly(vals, (8, 4, 2, 1))
+    for lane in range(32):
+        s = (lane & 15) >> shift
+        half = range(16 * (lane // 16), 16 * (lane // 16) + 16)
+        assert red[lane][0] == sum(vals[ln][s] for ln in half), (lane, s)
+    for r in range(R):
+        for b in range(C):  # rsigma's gather: block b of row r
+            src = 16 * (b % 2) + ((r * n + b // 2) << shift)
+            assert src // 16 == b % 2 and ((src & 15) >> shift) == r * n + b // 2
+        for i in range(n):  # pass 2's scale of chunk i, row r, for either half
+            for h in range(2):
+                src = 16 * h + ((r * n + i) << shift)
+                assert src // 16 == h and ((src & 15) >> shift) == r * n + i
+    train = _butterfly([[lane & 15] * 8 for lane in range(32)], (8, 4, 2, 1), _tree)
+    rows = _butterfly([[lane & 15] * S for lane in range(32)], (8, 4, 2, 1), _tree)
+    shapes = {v[0] for v in train} | {v[0] for v in rows}
+    assert len(shapes) == 1 and len(next(iter(shapes))) == 2  # one tree, 16 leaves
+
+
+def _emulate_rows_stores(T: int, K: int, R: int):
+    """The inference form's global stores by its own index formulas, as `_emulate_stores`: a warp per R rows, 4 warps
+    a CTA; lane 16 h + cg holds columns 256 i + 128 h + 8 cg of chunk i (block 2 i + h)."""
+    C, n, S, shift = _rows_geometry(K, R)
+    cta, warp, lane = torch.meshgrid(torch.arange(-(-T // (4 * R))), torch.arange(4), torch.arange(32),
+                                     indexing="ij")
+    cta, warp, lane = (v.reshape(-1) for v in (cta, warp, lane))
+    h, cg = lane >> 4, lane & 15
+    row0 = (cta * 4 + warp) * R
+    out = {"row": [], "row_sinv": [], "rsigma": []}
+    for r in range(R):
+        t = row0 + r
+        for i in range(n):
+            whole = 2 * i + 1 < C
+            col = 256 * i + 128 * h + 8 * cg if whole else 256 * i + 8 * cg
+            ok = (t < T) if whole else (t < T) & (h == 0)
+            for c in range(8):
+                out["row"].append(torch.stack([(t * K + col + c)[ok], t[ok], (col + c)[ok]], 1))
+        ok = (lane == r) & (t < T)
+        out["rsigma"].append(torch.stack([t[ok], t[ok], torch.zeros_like(t[ok])], 1))
+    s_own = cg >> shift
+    b_own, t_own = 2 * (s_own % n) + h, row0 + s_own // n
+    ok = ((cg & ((1 << shift) - 1)) == 0) & (s_own < R * n) & (b_own < C) & (t_own < T)
+    out["row_sinv"].append(torch.stack([(b_own * T + t_own)[ok], t_own[ok], (b_own * 128)[ok]], 1))
+    return {k: torch.cat(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("T", [1, 3, 7, 8, 9, 127, 1000, 4096 + 5])
+@pytest.mark.parametrize("K,R", [(1536, 2), (1536, 1), (384, 2), (128, 2), (128, 1), (2048, 2), (640, 1)])
+def test_rows_store_mapping_covers_every_byte_once(T, K, R):
+    """The inference form writes each row code, scale_inv and rsigma once, by a lane holding its token and column
+    (the scale_inv: the lane holding the block's slot), nothing past the tensors."""
+    st_ = _emulate_rows_stores(T, K, R)
+    sizes = {"row": T * K, "row_sinv": K // 128 * T, "rsigma": T}
+    for name, rows in st_.items():
+        idx = rows[:, 0]
+        assert idx.numel() == sizes[name], name
+        assert torch.bincount(idx, minlength=sizes[name]).eq(1).all(), f"{name}: an element written 0 or 2+ times"
+    r = st_["row"]
+    assert torch.equal(r[:, 0], r[:, 1] * K + r[:, 2])
+    r = st_["row_sinv"]
+    assert torch.equal(r[:, 0], (r[:, 2] // 128) * T + r[:, 1])
 
 
 def _col_smem_writes():
@@ -179,7 +266,7 @@ def _emulate_stores(T: int, K: int, columnwise: bool):
 
 
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 127, 128, 129, 1000, 4096 + 17])
-@pytest.mark.parametrize("K,columnwise", [(1536, True), (1536, False), (512, True), (2048, True), (128, True)])
+@pytest.mark.parametrize("K,columnwise", [(1536, True), (512, True), (2048, True), (128, True)])
 def test_store_mapping_covers_every_byte_once(T, K, columnwise):
     """Each output element is written once and by a thread holding its token and column: row codes [T, K], scale_inv
     [K/128, T] (the lane's token and block), rsigma [T] (rank 0 only), col codes [K, T_pad] and scale_inv
@@ -218,14 +305,13 @@ def test_padding_byte_mask(T):
 def _sass(K: int, columnwise: bool, w_dtype: torch.dtype, zc: bool, block_scale: str, tmp_path) -> dict:
     tools = _tools()
     _, cubin = tools.compile_rms((K, columnwise, w_dtype, zc, block_scale), str(tmp_path))
-    return tools.rms_sass_report(cubin)
+    return tools.rms_sass_report(cubin, 256 if columnwise else 128)
 
 
 @pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
 @pytest.mark.parametrize("K,columnwise,w_dtype,zc,block_scale", [
-    (1536, True, torch.float32, False, "pow2"), (1536, False, torch.bfloat16, True, "pow2"),
-    (1536, True, torch.bfloat16, True, "fp32"), (512, True, torch.float32, True, "pow2")],
-    ids=["v3_train", "v3_infer_bf16w", "v3_train_fp32scale", "k512_train"])
+    (1536, True, torch.float32, False, "pow2"), (1536, True, torch.bfloat16, True, "fp32"),
+    (512, True, torch.float32, True, "pow2")], ids=["v3_train", "v3_train_fp32scale", "k512_train"])
 def test_offline_compile_sass(K, columnwise, w_dtype, zc, block_scale, tmp_path):
     """The sm_90a kernel compiled without a GPU: no local memory, x's 8 loads of 16 bytes a thread (plus the norm
     weight's), one cluster barrier (the mbarriers' initialization), the partial sums pushed by one 16-byte st.async a
@@ -248,6 +334,33 @@ def test_offline_compile_sass(K, columnwise, w_dtype, zc, block_scale, tmp_path)
     assert rep["STG.E.64"] == 8 and rep["STG.E.128"] == (4 if columnwise else 0), summary
     assert rep["STS.32"] == 3 + (17 if columnwise else 0), summary
     assert rep["LDS.128"] == 5 + (6 if columnwise else 0), summary
+    assert "SATFINITE.E4M3" in rep["sass"]
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
+@pytest.mark.parametrize("K,w_dtype,zc,block_scale", [
+    (1536, torch.float32, False, "pow2"), (1536, torch.bfloat16, True, "pow2"), (384, torch.float32, True, "fp32"),
+    (2048, torch.bfloat16, False, "pow2")], ids=["v3_f32w", "v3_bf16w", "k384_fp32scale", "k2048"])
+def test_offline_compile_sass_inference(K, w_dtype, zc, block_scale, tmp_path):
+    """The inference form (a warp per 2 rows) compiled without a GPU: no local memory, no barrier, cluster or shared
+    memory of any kind; x's 2 n loads of 16 bytes (n = ceil(K / 256) chunks) and the norm weight re-read per chunk in
+    each of the two passes; the transposed butterflies over S slots (S - 1 xor shuffles, plus one a mask left, for the
+    sum of squares and for the amax), the index shuffles of the block partials (2 K / 128) and of the scales (2 n);
+    the E4M3 conversions and one 8-byte store of codes a row and chunk; four 128-thread CTAs an SM by registers."""
+    pytest.importorskip("nvidia.cu13", reason="needs nvidia-cuda-cuobjdump")
+    rep = _sass(K, False, w_dtype, zc, block_scale, tmp_path)
+    summary = {k: v for k, v in rep.items() if k != "sass"}
+    R = 2
+    C, n, S, _ = _rows_geometry(K, R)
+    assert rep["STACK"] == 0 and rep["LDL"] == 0 and rep["STL"] == 0, summary
+    assert rep["REG"] <= 128 and rep["CTAS_PER_SM_BY_REG"] >= 4, summary
+    assert rep["BAR"] == rep["UCGABAR_ARV"] == rep["STAS.128"] == rep["DSMEM_LD"] == 0, summary
+    assert rep["STS.32"] == rep["LDS.128"] == rep["LDGSTS.128"] == 0, summary
+    assert rep["LDG.E.128"] == R * n + 2 * n * (2 if w_dtype == torch.float32 else 1), summary
+    assert rep["SHFL.BFLY"] == 2 * (S - 1 + 4 - (S.bit_length() - 1)), summary
+    assert rep["SHFL.IDX"] == R * C + R * n, summary
+    assert rep["F2FP_E4M3"] == 4 * R * n, summary
+    assert rep["STG.E.64"] == R * n and rep["STG.E.128"] == 0, summary
     assert "SATFINITE.E4M3" in rep["sass"]
 
 

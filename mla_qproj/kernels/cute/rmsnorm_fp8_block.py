@@ -120,17 +120,23 @@ def _kernel(K: int, columnwise: bool, w_dtype: torch.dtype, zero_centered: bool,
 
 
 def compile_kernel(K: int, columnwise: bool, w_dtype: torch.dtype, zero_centered: bool, block_scale: str = "pow2",
-                   options: str = ""):
+                   options: str = "", rows: int = 2):
     """Compile the kernel (T symbolic) with the CuTe DSL for sm_90a; no GPU needed. Returns the compiled function
-    (callable with torch tensors on the current stream; `.export_to_c` writes an object file)."""
+    (callable with torch tensors on the current stream; `.export_to_c` writes an object file). The training form
+    (`columnwise`) is `rmsnorm_fp8_block_sm90`'s, the inference form `rmsnorm_fp8_block_rows_sm90`'s (`rows`: rows a
+    warp)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor
 
+    from .rmsnorm_fp8_block_rows_sm90 import RMSNormFp8BlockRowsSm90
     from .rmsnorm_fp8_block_sm90 import RMSNormFp8BlockSm90
 
     wdt = cutlass.Float32 if w_dtype == torch.float32 else cutlass.BFloat16
-    kern = RMSNormFp8BlockSm90(K, columnwise, zero_centered, block_scale, wdt)
+    if columnwise:  # clusters of K/128 CTAs per 128 tokens (the 128x1 blocks couple the tokens)
+        kern = RMSNormFp8BlockSm90(K, True, zero_centered, block_scale, wdt)
+    else:  # a warp per `rows` rows
+        kern = RMSNormFp8BlockRowsSm90(K, zero_centered, block_scale, wdt, rows)
     T, t_pad, n_tiles = cute.sym_int(), cute.sym_int(), cute.sym_int()
     f32, e4m3 = cutlass.Float32, cutlass.Float8E4M3FN
     args = (make_fake_tensor(cutlass.BFloat16, (T, K), (K, 1), assumed_align=16),

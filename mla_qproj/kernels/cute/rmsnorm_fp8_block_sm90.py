@@ -150,9 +150,10 @@ def _ldg4(addr: cutlass.Int64, pred: cutlass.Int32, *, loc=None, ip=None) -> lis
 
 
 @dsl_user_op
-def _ldg4_f32(addr: cutlass.Int64, *, loc=None, ip=None) -> list:
-    """16 bytes at a global address (always valid) as 4 words."""
-    return _words(4, ((I64, addr),), "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", loc, ip, False)
+def _ldg4_f32(addr: cutlass.Int64, tag: int = 0, *, loc=None, ip=None) -> list:
+    """16 bytes at a global address (always valid) as 4 words; tag as in `_lo_bf16` (a load re-issued per pass)."""
+    return _words(4, ((I64, addr),), f"ld.global.nc.v4.b32 {{$0, $1, $2, $3}}, [$4]; /* {tag} */", "=r,=r,=r,=r,l",
+                  loc, ip, False)
 
 
 @dsl_user_op
