@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 OUT = Path(".cute/rows")
-VARIANTS = [(1536, torch.float32, False, "pow2"), (1536, torch.bfloat16, True, "fp32"), (512, torch.float32, False, "pow2")]
+VARIANTS = [(1536, torch.float32, False, "pow2"), (1536, torch.bfloat16, True, "fp32"),
+            (512, torch.float32, False, "pow2")]
 FORMS = {"cluster": 0, "rows1": 1, "rows2": 2}
 
 
@@ -73,7 +74,7 @@ def run():
             train = cr.rmsnorm_fp8_block(x, w, 1e-6, zc, bs, columnwise=True)[:3]
             for f in FORMS:
                 got = call(fns[(f, v)], x, w)
-                for i, (a, b) in enumerate(zip(got, train)):
+                for i, (a, b) in enumerate(zip(got, train, strict=True)):
                     n = (a.view(torch.uint8) != b.view(torch.uint8)).sum().item()
                     if n:
                         bad += 1
@@ -90,11 +91,11 @@ def run():
         cd, cs = cr._placeholders(x.device)
         nb = T * K * 3 + T * K / 32 + 4 * T
         for rnd in range(3):
-            t_copy = graph_ms(lambda: dst.copy_(src))
+            t_copy = graph_ms(lambda d=dst, s=src: d.copy_(s))
             line = [f"T={T} round {rnd}: copy {t_copy * 1e3:.1f} us"]
             for f in FORMS:
                 fn = fns[(f, v)]
-                t = graph_ms(lambda fn=fn: fn(x, w, outs[0], outs[1], outs[2], cd, cs, 1e-6))
+                t = graph_ms(lambda fn=fn, x=x, w=w, o=outs, p=(cd, cs): fn(x, w, *o[:3], *p, 1e-6))
                 frac = (nb / t) / (src.numel() * 8 / t_copy)
                 line.append(f"{f} {t * 1e3:.1f} us {frac:.3f} of copy")
             print("; ".join(line))
