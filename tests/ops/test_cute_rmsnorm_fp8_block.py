@@ -1,9 +1,11 @@
 """The CuTe DSL RMSNorm + block-scaled FP8 quantize (kernels/cute/rmsnorm_fp8_block*.py, SPEC §5): x read once.
 
-CPU lane: the launcher's coverage rules; the sm_90a kernel compiled offline, its SASS checked (no local memory,
-16-byte loads, cluster barriers and distributed-shared-memory loads, E4M3 conversions, three CTAs an SM by registers);
-an emulation of the kernel's thread -> address mapping (every output byte written exactly once, by the thread that
-holds its token and column) and of its transposed butterflies (which token a lane ends with).
+CPU lane: the launcher's coverage rules; the sm_90a kernels compiled offline, their SASS checked (training: no local
+memory, 16-byte loads, cluster barriers and distributed-shared-memory loads, E4M3 conversions, three CTAs an SM by
+registers; inference: no barrier or shared memory, exact load, shuffle, conversion and store counts, four CTAs an SM);
+an emulation of each kernel's thread -> address mapping (every output byte written exactly once, by the thread that
+holds its token and column) and of their transposed butterflies (which token or slot a lane ends with, and the
+inference form's reduction trees equal to the training form's).
 GPU lane (`gpu`): the five outputs against the reference: rsigma within 1e-6 of an fp64 oracle, and every code and
 scale_inv byte equal to `reference.fp8_block` applied to x * rsigma * g with the kernel's rsigma (as
 tests/ops/test_rmsnorm_fp8_block.py checks the Triton kernels), at partial and whole tiles, special rows, both gamma
