@@ -18,7 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 OUT = Path(".cute/rows")
 VARIANTS = [(1536, torch.float32, False, "pow2"), (1536, torch.bfloat16, True, "fp32"),
             (512, torch.float32, False, "pow2")]
-FORMS = {"cluster": 0, "rows1": 1, "rows2": 2}
+FORMS = {"cluster": (0, 0, "", 4), "rows2": (2, 0, "", 4), "rows2m5": (2, 5, "", 4), "rows2m6": (2, 6, "", 4),
+         "rows1m8": (1, 8, "", 4), "rows2pf": (2, 0, ".L2::256B", 4), "rows2m5pf": (2, 5, ".L2::256B", 4),
+         "rows2w1": (2, 0, "", 1), "rows2w2": (2, 0, "", 2), "rows2w1m20": (2, 20, "", 1), "rows1w1": (1, 0, "", 1)}
 
 
 def name(form, v):
@@ -34,11 +36,11 @@ def build():
     from mla_qproj.kernels.cute.rmsnorm_fp8_block_sm90 import RMSNormFp8BlockSm90
 
     orig = rows_mod.RMSNormFp8BlockRowsSm90
-    rows_mod.RMSNormFp8BlockRowsSm90 = lambda K, zc, bs, wdt, r: (
-        RMSNormFp8BlockSm90(K, False, zc, bs, wdt) if r == 0 else orig(K, zc, bs, wdt, r))
     OUT.mkdir(parents=True, exist_ok=True)
     for v in VARIANTS:
-        for form, r in FORMS.items():
+        for form, (r, mc, hint, nw) in FORMS.items():
+            rows_mod.RMSNormFp8BlockRowsSm90 = lambda K, zc, bs, wdt, r, mc=mc, hint=hint, nw=nw: (
+                RMSNormFp8BlockSm90(K, False, zc, bs, wdt) if r == 0 else orig(K, zc, bs, wdt, r, mc, hint, nw))
             fn = cr.compile_kernel(v[0], False, v[1], v[2], v[3], rows=r)
             print(b.export(fn, OUT, name(form, v), cr.FUNCTION))
     (OUT / "libcute_dsl_runtime.so").unlink(missing_ok=True)

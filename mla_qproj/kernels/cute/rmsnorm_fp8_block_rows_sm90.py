@@ -80,7 +80,7 @@ class RMSNormFp8BlockRowsSm90:
     """rsigma, xn's 1x128 codes and M-major scale_inv from x [T, K] bf16 read once; a warp per `rows` rows."""
 
     def __init__(self, K: int, zero_centered: bool, block_scale: str = "pow2", w_dtype=cutlass.Float32,
-                 rows: int = ROWS_PER_WARP):
+                 rows: int = ROWS_PER_WARP, min_ctas: int = 0, hint: str = "", warps: int = WARPS):
         if not geometry_ok(K):
             raise ValueError(f"unsupported K={K}: a multiple of {COLS} up to 2048")
         if block_scale not in BLOCK_SCALES:
@@ -92,6 +92,7 @@ class RMSNormFp8BlockRowsSm90:
         self.K, self.C, self.n, self.R = K, K // COLS, chunks(K), rows
         self.S = slots(K, rows)
         self.shift = 4 - (self.S.bit_length() - 1)  # slot s ends on the lanes 16 h + (s << shift) ...
+        self.min_ctas, self.hint, self.warps = min_ctas, hint, warps
         self.zero_centered = bool(zero_centered)
         self.pow2 = block_scale == "pow2"
         self.w_f32 = w_dtype == cutlass.Float32
@@ -103,9 +104,13 @@ class RMSNormFp8BlockRowsSm90:
                  mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream):
         """The training form's arguments; mColQ / mColS are placeholders, not touched."""
         T = mX.shape[0]
-        rows_cta = WARPS * self.R
+        rows_cta = self.warps * self.R
+        # min_ctas: a register cap (ptxas: at least this many CTAs an SM); the carveout keeps the DSL from asking the
+        # device for its shared memory size, so that it compiles offline
+        occupancy = (dict(min_blocks_per_mp=self.min_ctas, max_number_threads=[self.warps * 32, 1, 1],
+                          preferred_smem_carveout=0) if self.min_ctas else {})
         self.kernel(mX, mW, mRs, mRowQ, mRowS, eps, T).launch(
-            grid=[(T + rows_cta - 1) // rows_cta, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+            grid=[(T + rows_cta - 1) // rows_cta, 1, 1], block=[self.warps * 32, 1, 1], stream=stream, **occupancy)
 
     # ---------------------------------------------------------------------------------------------- device
 
@@ -118,7 +123,7 @@ class RMSNormFp8BlockRowsSm90:
         lane = cute.arch.lane_idx()
         h = lane >> 4  # which block of a chunk
         cg = lane & 15  # column group: the lane's 8 columns of the block
-        row0 = (bid * WARPS + warp) * R
+        row0 = (bid * self.warps + warp) * R
 
         def col(i):  # the lane's first column in chunk i (the h = 0 block's where the chunk has one block)
             return CHUNK * i + COLS * h + VEC * cg if 2 * i + 1 < C else CHUNK * i + VEC * cg
@@ -134,7 +139,7 @@ class RMSNormFp8BlockRowsSm90:
 
         # ---- x: R n loads of 16 bytes, issued together
         x_base = mX.iterator.toint()
-        xw = [[_ldg4(x_base + (I64(row0 + r) * K + I64(col(i))) * 2, pred(ok(r, i))) for i in range(n)]
+        xw = [[_ldg4(x_base + (I64(row0 + r) * K + I64(col(i))) * 2, pred(ok(r, i)), self.hint) for i in range(n)]
               for r in range(R)]
 
         def xval(r, i, c, tag):  # x[row r, column col(i) + c], fp32 (tag: the pass)
