@@ -18,9 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 OUT = Path(".cute/rows")
 VARIANTS = [(1536, torch.float32, False, "pow2"), (1536, torch.bfloat16, True, "fp32"),
             (512, torch.float32, False, "pow2")]
-FORMS = {"cluster": (0, 0, "", 4), "rows2": (2, 0, "", 4), "rows2m5": (2, 5, "", 4), "rows2m6": (2, 6, "", 4),
-         "rows1m8": (1, 8, "", 4), "rows2pf": (2, 0, ".L2::256B", 4), "rows2m5pf": (2, 5, ".L2::256B", 4),
-         "rows2w1": (2, 0, "", 1), "rows2w2": (2, 0, "", 2), "rows2w1m20": (2, 20, "", 1), "rows1w1": (1, 0, "", 1)}
+FORMS = {"cluster": (0, 0, "", 4, 0), "rows2": (2, 0, "", 4, 0), "p1x396": (1, 0, "", 4, 396),
+         "p1m4x528": (1, 4, "", 4, 528), "p1m4x396": (1, 4, "", 4, 396), "p2x264": (2, 0, "", 4, 264)}
 
 
 def name(form, v):
@@ -38,9 +37,9 @@ def build():
     orig = rows_mod.RMSNormFp8BlockRowsSm90
     OUT.mkdir(parents=True, exist_ok=True)
     for v in VARIANTS:
-        for form, (r, mc, hint, nw) in FORMS.items():
-            rows_mod.RMSNormFp8BlockRowsSm90 = lambda K, zc, bs, wdt, r, mc=mc, hint=hint, nw=nw: (
-                RMSNormFp8BlockSm90(K, False, zc, bs, wdt) if r == 0 else orig(K, zc, bs, wdt, r, mc, hint, nw))
+        for form, (r, mc, hint, nw, pers) in FORMS.items():
+            rows_mod.RMSNormFp8BlockRowsSm90 = lambda K, zc, bs, wdt, r, mc=mc, hint=hint, nw=nw, pers=pers: (
+                RMSNormFp8BlockSm90(K, False, zc, bs, wdt) if r == 0 else orig(K, zc, bs, wdt, r, mc, hint, nw, pers))
             fn = cr.compile_kernel(v[0], False, v[1], v[2], v[3], rows=r)
             print(b.export(fn, OUT, name(form, v), cr.FUNCTION))
     (OUT / "libcute_dsl_runtime.so").unlink(missing_ok=True)
