@@ -34,7 +34,6 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cutlass_dsl import dsl_user_op
 
 from .rmsnorm_fp8_block_sm90 import (
     BLOCK_SCALES,
@@ -54,7 +53,6 @@ from .rmsnorm_fp8_block_sm90 import (
     _sqrt_rn,
     _stg2,
     _stg_f32,
-    _words,
     geometry_ok,
 )
 from .rope_gemm_sm90 import _absmax, _fma_rn, _fmax, _mul_rn
@@ -64,15 +62,6 @@ WARPS = 4  # a CTA: 128 threads
 ROWS_PER_WARP = 2
 CHUNK = 2 * COLS  # columns of a row a warp covers with one 16-byte load a lane: two 1x128 blocks
 MASKS = (8, 4, 2, 1)  # the butterfly over a half-warp's 16 column groups
-
-
-@dsl_user_op
-def _ldg4_se(addr: cutlass.Int64, pred: cutlass.Int32, hint: str = "", *, loc=None, ip=None) -> list:
-    """`_ldg4` kept in program order (a prefetch: not sunk to the first use of its words)."""
-    return _words(4, ((I64, addr), (I32, pred)),
-                  "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
-                  f"mov.b32 $3, 0; @p ld.global.nc{hint}.v4.b32 {{$0, $1, $2, $3}}, [$4]; }}",
-                  "=r,=r,=r,=r,l,r", loc, ip, True)
 
 
 def chunks(K: int) -> int:
@@ -91,8 +80,7 @@ class RMSNormFp8BlockRowsSm90:
     """rsigma, xn's 1x128 codes and M-major scale_inv from x [T, K] bf16 read once; a warp per `rows` rows."""
 
     def __init__(self, K: int, zero_centered: bool, block_scale: str = "pow2", w_dtype=cutlass.Float32,
-                 rows: int = ROWS_PER_WARP, min_ctas: int = 0, hint: str = "", warps: int = WARPS,
-                 persistent: int = 0):
+                 rows: int = ROWS_PER_WARP):
         if not geometry_ok(K):
             raise ValueError(f"unsupported K={K}: a multiple of {COLS} up to 2048")
         if block_scale not in BLOCK_SCALES:
@@ -104,7 +92,6 @@ class RMSNormFp8BlockRowsSm90:
         self.K, self.C, self.n, self.R = K, K // COLS, chunks(K), rows
         self.S = slots(K, rows)
         self.shift = 4 - (self.S.bit_length() - 1)  # slot s ends on the lanes 16 h + (s << shift) ...
-        self.min_ctas, self.hint, self.warps, self.persistent = min_ctas, hint, warps, persistent
         self.zero_centered = bool(zero_centered)
         self.pow2 = block_scale == "pow2"
         self.w_f32 = w_dtype == cutlass.Float32
@@ -116,64 +103,22 @@ class RMSNormFp8BlockRowsSm90:
                  mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream):
         """The training form's arguments; mColQ / mColS are placeholders, not touched."""
         T = mX.shape[0]
-        rows_cta = self.warps * self.R
-        # min_ctas: a register cap (ptxas: at least this many CTAs an SM); the carveout keeps the DSL from asking the
-        # device for its shared memory size, so that it compiles offline
-        occupancy = (dict(min_blocks_per_mp=self.min_ctas, max_number_threads=[self.warps * 32, 1, 1],
-                          preferred_smem_carveout=0) if self.min_ctas else {})
-        if cutlass.const_expr(self.persistent > 0):  # at most `persistent` CTAs, looping over row groups
-            self.kernel_persistent(mX, mW, mRs, mRowQ, mRowS, eps, T).launch(
-                grid=[cutlass.min((T + rows_cta - 1) // rows_cta, self.persistent), 1, 1],
-                block=[self.warps * 32, 1, 1], stream=stream, **occupancy)
-        else:
-            self.kernel(mX, mW, mRs, mRowQ, mRowS, eps, T).launch(
-                grid=[(T + rows_cta - 1) // rows_cta, 1, 1], block=[self.warps * 32, 1, 1], stream=stream,
-                **occupancy)
+        rows_cta = WARPS * self.R
+        self.kernel(mX, mW, mRs, mRowQ, mRowS, eps, T).launch(
+            grid=[(T + rows_cta - 1) // rows_cta, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
                eps: cutlass.Float32, T: cutlass.Int32):
+        K, C, n, R, S, shift = self.K, self.C, self.n, self.R, self.S, self.shift
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        row0 = (bid * self.warps + warp) * self.R
-        self._rows(row0, self._load(mX, row0, T), mW, mRs, mRowQ, mRowS, eps, T)
-
-    @cute.kernel
-    def kernel_persistent(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor,
-                          mRowS: cute.Tensor, eps: cutlass.Float32, T: cutlass.Int32):
-        """Each warp takes row groups gw, gw + W, ... (W: the grid's warps), loading the next group's x before
-        working on the current one (held in a register fragment between iterations)."""
-        R, n = self.R, self.n
-        bid, _, _ = cute.arch.block_idx()
-        nb, _, _ = cute.arch.grid_dim()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        gw = bid * self.warps + warp
-        stride = nb * self.warps * R
-        cur = cute.make_rmem_tensor(R * n * 4, I32)
-        first = self._load(mX, gw * R, T)
-        for r in cutlass.range_constexpr(R):
-            for i in cutlass.range_constexpr(n):
-                for q in cutlass.range_constexpr(4):
-                    cur[(r * n + i) * 4 + q] = first[r][i][q]
-        n_it = (T - gw * R + stride - 1) // stride
-        for it in cutlass.range(n_it):
-            row0 = gw * R + it * stride
-            nxt = self._load(mX, row0 + stride, T, side_effects=True)
-            words = [[[cur[(r * n + i) * 4 + q] for q in range(4)] for i in range(n)] for r in range(R)]
-            self._rows(row0, words, mW, mRs, mRowQ, mRowS, eps, T)
-            for r in cutlass.range_constexpr(R):
-                for i in cutlass.range_constexpr(n):
-                    for q in cutlass.range_constexpr(4):
-                        cur[(r * n + i) * 4 + q] = nxt[r][i][q]
-
-    def _geometry(self, row0, T):
-        """(lane, h, cg, col, row_ok, ok, pred) of this lane for the row group at row0."""
-        C = self.C
         lane = cute.arch.lane_idx()
         h = lane >> 4  # which block of a chunk
         cg = lane & 15  # column group: the lane's 8 columns of the block
+        row0 = (bid * WARPS + warp) * R
 
         def col(i):  # the lane's first column in chunk i (the h = 0 block's where the chunk has one block)
             return CHUNK * i + COLS * h + VEC * cg if 2 * i + 1 < C else CHUNK * i + VEC * cg
@@ -187,21 +132,10 @@ class RMSNormFp8BlockRowsSm90:
         def pred(b):
             return I32(cutlass.select_(b, I32(1), I32(0)))
 
-        return lane, h, cg, col, row_ok, ok, pred
-
-    def _load(self, mX, row0, T, side_effects=False):
-        """x of the lane for the R rows at row0: R n loads of 16 bytes, issued together; rows past T read as 0."""
-        K = self.K
-        _, _, _, col, _, ok, pred = self._geometry(row0, T)
+        # ---- x: R n loads of 16 bytes, issued together
         x_base = mX.iterator.toint()
-        ld = _ldg4_se if side_effects else _ldg4
-        return [[ld(x_base + (I64(row0 + r) * K + I64(col(i))) * 2, pred(ok(r, i)), self.hint) for i in range(self.n)]
-                for r in range(self.R)]
-
-    def _rows(self, row0, xw, mW, mRs, mRowQ, mRowS, eps, T):
-        """rsigma, scale_inv and codes of the R rows at row0 from their loaded words xw[r][i] (4 words)."""
-        K, C, n, R, S, shift = self.K, self.C, self.n, self.R, self.S, self.shift
-        lane, h, cg, col, row_ok, ok, pred = self._geometry(row0, T)
+        xw = [[_ldg4(x_base + (I64(row0 + r) * K + I64(col(i))) * 2, pred(ok(r, i))) for i in range(n)]
+              for r in range(R)]
 
         def xval(r, i, c, tag):  # x[row r, column col(i) + c], fp32 (tag: the pass)
             wd = xw[r][i][c // 2]
@@ -211,32 +145,32 @@ class RMSNormFp8BlockRowsSm90:
 
         def gvals(i, tag):  # the norm weight of the lane's 8 columns of chunk i, fp32 (+ 1 where zero-centered)
             g = []
-            if self.w_f32:
-                for q in range(2):
+            if cutlass.const_expr(self.w_f32):
+                for q in cutlass.range_constexpr(2):
                     g += [_bits_f32(wd) for wd in _ldg4_f32(w_base + I64(col(i) + 4 * q) * 4, tag)]
             else:
                 for wd in _ldg4_f32(w_base + I64(col(i)) * 2, tag):
                     g += [_lo_bf16(wd, tag), _hi_bf16(wd, tag)]
-            if self.zero_centered:
+            if cutlass.const_expr(self.zero_centered):
                 g = [_add_rn(v, F32(1.0)) for v in g]
             return g
 
         pad = [F32(0.0)] * (S - R * n)
         # ---- sum of squares: per slot over the lane's 8 columns, then over the block's 16 column groups
         ss = []
-        for r in range(R):
-            for i in range(n):
+        for r in cutlass.range_constexpr(R):
+            for i in cutlass.range_constexpr(n):
                 s = F32(0.0)
-                for c in range(VEC):
+                for c in cutlass.range_constexpr(VEC):
                     v = xval(r, i, c, 0)
                     s = _fma_rn(v, v, s)
                 ss.append(s)
         part = RMSNormFp8BlockSm90._butterfly(ss + pad, lane, MASKS, _add_rn)[0]
         # ---- rsigma of each row: its K / 128 block partials in block order (the training form's rank order)
         rsv = []
-        for r in range(R):
+        for r in cutlass.range_constexpr(R):
             tot = None
-            for b in range(C):
+            for b in cutlass.range_constexpr(C):
                 p = cute.arch.shuffle_sync(part, 16 * (b % 2) + ((r * n + b // 2) << shift))
                 tot = p if tot is None else _add_rn(tot, p)
             rs = _div_rn(F32(1.0), _sqrt_rn(_add_rn(_div_rn(tot, F32(float(K))), eps)))
@@ -248,11 +182,11 @@ class RMSNormFp8BlockRowsSm90:
 
         # ---- pass 1: amax of each slot, its scale on the lanes holding it; scale_inv stored by the first
         am = [[None] * n for _ in range(R)]
-        for i in range(n):
+        for i in cutlass.range_constexpr(n):
             g = gvals(i, 1)
-            for r in range(R):
+            for r in cutlass.range_constexpr(R):
                 a = F32(0.0)
-                for c in range(VEC):
+                for c in cutlass.range_constexpr(VEC):
                     a = _absmax(a, xn(r, i, c, g, 1))
                 am[r][i] = a
         a_slot = RMSNormFp8BlockSm90._butterfly([a for rr in am for a in rr] + pad, lane, MASKS, _fmax)[0]
@@ -266,9 +200,9 @@ class RMSNormFp8BlockRowsSm90:
 
         # ---- pass 2: codes, 8 bytes a lane per block and row
         rq_base = mRowQ.iterator.toint()
-        for i in range(n):
+        for i in cutlass.range_constexpr(n):
             g = gvals(i, 2)
-            for r in range(R):
+            for r in cutlass.range_constexpr(R):
                 sc = cute.arch.shuffle_sync(scale, 16 * h + ((r * n + i) << shift))
                 v = [_mul_rn(xn(r, i, c, g, 2), sc) for c in range(VEC)]
                 _stg2(rq_base + I64(row0 + r) * K + I64(col(i)), _e4m3x4(*v[0:4]), _e4m3x4(*v[4:8]),

@@ -140,12 +140,12 @@ def _words(n: int, addr_args, text: str, constraints: str, loc, ip, side_effects
 
 
 @dsl_user_op
-def _ldg4(addr: cutlass.Int64, pred: cutlass.Int32, hint: str = "", *, loc=None, ip=None) -> list:
+def _ldg4(addr: cutlass.Int64, pred: cutlass.Int32, *, loc=None, ip=None) -> list:
     """16 bytes at a global address as 4 words, read through the non-coherent path (x is read-only here); pred 0:
-    no load, the words are 0. hint: PTX qualifiers after .nc (".L2::256B": prefetch the rest of a 256-byte span)."""
+    no load, the words are 0."""
     return _words(4, ((I64, addr), (I32, pred)),
                   "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
-                  f"mov.b32 $3, 0; @p ld.global.nc{hint}.v4.b32 {{$0, $1, $2, $3}}, [$4]; }}",
+                  "mov.b32 $3, 0; @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4]; }",
                   "=r,=r,=r,=r,l,r", loc, ip, False)
 
 
