@@ -13,7 +13,8 @@ kernel as a shared object `<key>.so` (the file `mla_qproj.kernels.cute.rope_gemm
 `MLA_QPROJ_CUTE_KERNELS=DIR`) and copy the CuTe DSL runtime library beside them, so that a machine with only
 `apache-tvm-ffi` installed can run them.
 
-The RMSNorm + block-scaled FP8 quantize kernel (`rmsnorm_fp8_block_sm90.py`): --rmsnorm K builds it for these K
+The RMSNorm + block-scaled FP8 quantize kernels (`rmsnorm_fp8_block_sm90.py`, training; `_rows_sm90.py`, inference):
+--rmsnorm K builds them for these K
 (training and inference, fp32 and bf16 norm weights, both gamma forms, pow2 scales); --preset tests adds the GPU lane's
 (tests/ops/test_cute_rmsnorm_fp8_block.py); --rmsnorm-only skips the GEMM kernels. Its report: registers, stack,
 LDL / STL, cluster barriers (UCGABAR_ARV / _WAIT), the partial sums' 16-byte stores to the cluster's shared memory
