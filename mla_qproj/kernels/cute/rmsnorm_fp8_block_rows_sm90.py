@@ -5,8 +5,9 @@
 # %% Design
 Without the 128x1 blocks nothing couples tokens, so a warp owns whole rows: R (= ROWS_PER_WARP, 2) rows a warp, 4 warps
 (128 threads) a CTA, no cluster, no CTA barrier, no shared memory. Warps are independent: one warp's arithmetic
-overlaps the others' loads, where the cluster form's CTAs compute while the memory bus idles in its first and last
-waves (its fixed cost, ~8 us at T = 16384 and 65536 on an H100).
+overlaps the others' loads. Measured on an H100 at K = 1536 (BENCHMARKS.md, 2026-12-07): 9.9 us at T = 4096 (the
+cluster form 11.7), 31.8 at 16384 (32.1), 107 at 65536 (108); from 16384 tokens on a row costs what a copy of its
+bytes does, over a fixed ~6.6 us of ramp and drain.
 - Lane l = 16 h + cg holds, of each 256-column chunk i < n = ceil(K / 256) of its R rows, the 8 columns
   256 i + 128 h + 8 cg: block 2 i + h, column group cg, the columns a training-form thread holds of that block. A
   half-warp reads a whole 1x128 block of a row (256 contiguous bytes, the warp 512). All R * n loads of 16 bytes are
