@@ -37,7 +37,6 @@ import cutlass
 import cutlass.cute as cute
 
 from .rmsnorm_fp8_block_sm90 import (
-    BLOCK_SCALES,
     COLS,
     VEC,
     RMSNormFp8BlockSm90,
@@ -54,7 +53,7 @@ from .rmsnorm_fp8_block_sm90 import (
     _sqrt_rn,
     _stg2,
     _stg_f32,
-    geometry_ok,
+    check_variant,
 )
 from .rope_gemm_sm90 import _absmax, _fma_rn, _fmax, _mul_rn
 
@@ -71,10 +70,7 @@ def chunks(K: int) -> int:
 
 def slots(K: int, rows: int) -> int:
     """S: the butterfly's slots, rows * chunks rounded up to a power of two (at most 16: K <= 2048, rows <= 2)."""
-    s = 1
-    while s < rows * chunks(K):
-        s *= 2
-    return s
+    return 1 << (rows * chunks(K) - 1).bit_length()
 
 
 class RMSNormFp8BlockRowsSm90:
@@ -82,12 +78,7 @@ class RMSNormFp8BlockRowsSm90:
 
     def __init__(self, K: int, zero_centered: bool, block_scale: str = "pow2", w_dtype=cutlass.Float32,
                  rows: int = ROWS_PER_WARP):
-        if not geometry_ok(K):
-            raise ValueError(f"unsupported K={K}: a multiple of {COLS} up to 2048")
-        if block_scale not in BLOCK_SCALES:
-            raise ValueError(f"unsupported block_scale {block_scale!r}")
-        if w_dtype not in (cutlass.Float32, cutlass.BFloat16):
-            raise ValueError(f"unsupported norm weight dtype {w_dtype}")
+        check_variant(K, block_scale, w_dtype)
         if rows not in (1, 2):
             raise ValueError(f"unsupported rows={rows}: 1 or 2 a warp")
         self.K, self.C, self.n, self.R = K, K // COLS, chunks(K), rows

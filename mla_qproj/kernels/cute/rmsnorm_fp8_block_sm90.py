@@ -82,6 +82,16 @@ def geometry_ok(K: int) -> bool:
     return K > 0 and K % COLS == 0 and K // COLS <= MAX_CLUSTER
 
 
+def check_variant(K: int, block_scale: str, w_dtype) -> None:
+    """ValueError for a variant no RMSNorm kernel here compiles (training or inference form)."""
+    if not geometry_ok(K):
+        raise ValueError(f"unsupported K={K}: a multiple of {COLS} up to {COLS * MAX_CLUSTER}")
+    if block_scale not in BLOCK_SCALES:
+        raise ValueError(f"unsupported block_scale {block_scale!r}")
+    if w_dtype not in (cutlass.Float32, cutlass.BFloat16):
+        raise ValueError(f"unsupported norm weight dtype {w_dtype}")
+
+
 # ------------------------------------------------------------------------------------------------ PTX helpers
 
 
@@ -236,12 +246,7 @@ class RMSNormFp8BlockSm90:
 
     def __init__(self, K: int, columnwise: bool, zero_centered: bool, block_scale: str = "pow2",
                  w_dtype=cutlass.Float32):
-        if not geometry_ok(K):
-            raise ValueError(f"unsupported K={K}: a multiple of {COLS} up to {COLS * MAX_CLUSTER}")
-        if block_scale not in BLOCK_SCALES:
-            raise ValueError(f"unsupported block_scale {block_scale!r}")
-        if w_dtype not in (cutlass.Float32, cutlass.BFloat16):
-            raise ValueError(f"unsupported norm weight dtype {w_dtype}")
+        check_variant(K, block_scale, w_dtype)
         self.K, self.C = K, cluster_size(K)
         self.columnwise, self.zero_centered = bool(columnwise), bool(zero_centered)
         self.pow2 = block_scale == "pow2"
