@@ -134,7 +134,7 @@ def compile_kernel(K: int, columnwise: bool, w_dtype: torch.dtype, zero_centered
 
     wdt = cutlass.Float32 if w_dtype == torch.float32 else cutlass.BFloat16
     if columnwise:  # clusters of K/128 CTAs per 128 tokens (the 128x1 blocks couple the tokens)
-        kern = RMSNormFp8BlockSm90(K, True, zero_centered, block_scale, wdt)
+        kern = RMSNormFp8BlockSm90(K, zero_centered, block_scale, wdt)
     else:  # a warp per `rows` rows
         kern = RMSNormFp8BlockRowsSm90(K, zero_centered, block_scale, wdt, rows)
     T, t_pad, n_tiles = cute.sym_int(), cute.sym_int(), cute.sym_int()

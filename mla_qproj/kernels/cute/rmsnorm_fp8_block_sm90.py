@@ -1,9 +1,9 @@
 """RMSNorm forward fused with the block-scaled FP8 quantization of xn (SPEC §5) for sm_90a, written in CuTe DSL: x
 [T, K] bf16 is read from HBM once (the Triton form reads it twice: an rsigma kernel, then the quantize kernel).
 Outputs, layouts and bytes are those of `kernels/triton/rmsnorm_fp8_block.py` given this kernel's rsigma:
-rsigma fp32 [T]; (a) 1x128 blocks along K: codes [T, K], scale_inv M-major [K/128, T]; (b) (training, `columnwise`)
-128x1 blocks along T: codes transposed [K, T_pad] (T_pad = round_up(T, 16), zero codes in [T, T_pad)), scale_inv
-[ceil(T/128), K].
+rsigma fp32 [T]; (a) 1x128 blocks along K: codes [T, K], scale_inv M-major [K/128, T]; (b) 128x1 blocks along T:
+codes transposed [K, T_pad] (T_pad = round_up(T, 16), zero codes in [T, T_pad)), scale_inv [ceil(T/128), K]. This is
+the training form (`columnwise`); inference, without (b), is `rmsnorm_fp8_block_rows_sm90`'s (same bytes of (a)).
 
 # %% Design
 One cluster of C = K / 128 CTAs per 128 tokens (grid (C, ceil(T/128)), cluster (C, 1, 1); K = 1536: C = 12, past the
@@ -47,7 +47,7 @@ holds 8 tokens x 8 columns = 32 packed bf16x2 registers:
   them as one whole 128-byte line of the transposed [K, T_pad] (16-aligned: T_pad % 16 == 0; chunks at or past T_pad
   are skipped): writes of whole lines, where a thread's own column store would cover 16 bytes of a 32-byte sector.
 Global addresses are 64-bit (T * K may pass 2^31). T is a run-time extent: one binary serves every T (grid y <= 65535:
-T <= 8,388,480). The kernel is compiled per (K, columnwise, norm-weight dtype fp32 / bf16, zero-centered gamma, block
+T <= 8,388,480). The kernel is compiled per (K, norm-weight dtype fp32 / bf16, zero-centered gamma, block
 scale "pow2" / "fp32"); "deepseek" scales, other dtypes of x and K not a multiple of 128 up to 2048 stay on the
 Triton kernels.
 """
@@ -241,14 +241,13 @@ def _scale_rule(amax, pow2: bool):
 
 
 class RMSNormFp8BlockSm90:
-    """rsigma, xn's 1x128 codes + M-major scale_inv and (columnwise) 128x1 codes transposed + scale_inv, from x [T, K]
-    bf16 read once; clusters of K/128 CTAs per 128 tokens."""
+    """rsigma, xn's 1x128 codes + M-major scale_inv and 128x1 codes transposed + scale_inv (the training form),
+    from x [T, K] bf16 read once; clusters of K/128 CTAs per 128 tokens."""
 
-    def __init__(self, K: int, columnwise: bool, zero_centered: bool, block_scale: str = "pow2",
-                 w_dtype=cutlass.Float32):
+    def __init__(self, K: int, zero_centered: bool, block_scale: str = "pow2", w_dtype=cutlass.Float32):
         check_variant(K, block_scale, w_dtype)
         self.K, self.C = K, cluster_size(K)
-        self.columnwise, self.zero_centered = bool(columnwise), bool(zero_centered)
+        self.zero_centered = bool(zero_centered)
         self.pow2 = block_scale == "pow2"
         self.w_f32 = w_dtype == cutlass.Float32
 
@@ -258,10 +257,9 @@ class RMSNormFp8BlockSm90:
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
                  mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream):
         """mX [T, K] bf16 (row stride K), mW [K] fp32 / bf16, written: mRs [T] f32, mRowQ [T, K] e4m3, mRowS
-        [K/128, T] f32, and with columnwise mColQ [K, T_pad] e4m3, mColS [ceil(T/128), K] f32 (else placeholders,
-        not touched)."""
+        [K/128, T] f32, mColQ [K, T_pad] e4m3, mColS [ceil(T/128), K] f32."""
         T = mX.shape[0]
-        t_pad = mColQ.shape[1] if cutlass.const_expr(self.columnwise) else T
+        t_pad = mColQ.shape[1]
         n_tiles = (T + FP8_BLOCK - 1) // FP8_BLOCK
         self.kernel(mX, mW, mRs, mRowQ, mRowS, mColQ, mColS, eps, T, t_pad).launch(
             grid=[self.C, n_tiles, 1], block=[THREADS, 1, 1], cluster=[self.C, 1, 1], stream=stream)
@@ -377,8 +375,7 @@ class RMSNormFp8BlockSm90:
             for c in cutlass.range_constexpr(VEC):
                 v = xn(j, c, 1)
                 a = _absmax(a, v)
-                if cutlass.const_expr(self.columnwise):
-                    ca[c] = _absmax(ca[c], v)
+                ca[c] = _absmax(ca[c], v)
             ra.append(a)
         a_tok = self._butterfly(ra, lane, (8, 4, 2, 1), _fmax)[0]  # token tok of the lane's half
         r_scale, r_sinv = _scale_rule(a_tok, self.pow2)
@@ -387,29 +384,26 @@ class RMSNormFp8BlockSm90:
             _stg_f32(mRowS.iterator.toint() + (I64(rank) * T + I64(t_own)) * 4, r_sinv,
                      I32(cutlass.select_(t_own < T, I32(1), I32(0))))
             sRowSc[t_loc + tok] = r_scale
-        if cutlass.const_expr(self.columnwise):
-            # the warp's 16 tokens: the two halves' column amaxes combined, stored by the first half
-            ca = [_fmax(v, cute.arch.shuffle_sync_bfly(v, 16)) for v in ca]
-            if half == 0:
-                for c in cutlass.range_constexpr(VEC):
-                    sColAm[(cg * VEC + c, warp)] = ca[c]
+        # the warp's 16 tokens: the two halves' column amaxes combined, stored by the first half
+        ca = [_fmax(v, cute.arch.shuffle_sync_bfly(v, 16)) for v in ca]
+        if half == 0:
+            for c in cutlass.range_constexpr(VEC):
+                sColAm[(cg * VEC + c, warp)] = ca[c]
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.columnwise):
-            if tidx < COLS:
-                m = sColAm[(tidx, 0)]
-                for w in cutlass.range_constexpr(1, 8):
-                    m = _fmax(m, sColAm[(tidx, w)])
-                c_scale, c_sinv = _scale_rule(m, self.pow2)
-                mColS[(tile, c_cta + tidx)] = c_sinv  # [ceil(T/128), K]: the tile exists
-                sColSc[tidx] = c_scale
-            cute.arch.sync_threads()
-        csc = [sColSc[cg * VEC + c] for c in range(VEC)] if self.columnwise else []
+        if tidx < COLS:
+            m = sColAm[(tidx, 0)]
+            for w in cutlass.range_constexpr(1, 8):
+                m = _fmax(m, sColAm[(tidx, w)])
+            c_scale, c_sinv = _scale_rule(m, self.pow2)
+            mColS[(tile, c_cta + tidx)] = c_sinv  # [ceil(T/128), K]: the tile exists
+            sColSc[tidx] = c_scale
+        cute.arch.sync_threads()
+        csc = [sColSc[cg * VEC + c] for c in range(VEC)]
 
         # ---- pass 2: codes, four tokens at a time
         rq_base = mRowQ.iterator.toint()
         # writer: column cg * 8 + c, chunk warp (the column's tokens 16 warp ..), word 2 half + q
-        cq_w = (sColQ.iterator.toint() + cg * (VEC * FP8_BLOCK) + ((warp ^ (cg & 7)) * 16)
-                if self.columnwise else None)
+        cq_w = sColQ.iterator.toint() + cg * (VEC * FP8_BLOCK) + ((warp ^ (cg & 7)) * 16)
         for q in cutlass.range_constexpr(2):
             cv = [[None] * 4 for _ in range(VEC)]
             for jj in cutlass.range_constexpr(4):
@@ -419,31 +413,28 @@ class RMSNormFp8BlockSm90:
                 for c in cutlass.range_constexpr(VEC):
                     v = xn(j, c, 2)
                     vals.append(_mul_rn(v, rsc))
-                    if cutlass.const_expr(self.columnwise):
-                        cv[c][jj] = _mul_rn(v, csc[c])
+                    cv[c][jj] = _mul_rn(v, csc[c])
                 t = t_base + j
                 _stg2(rq_base + I64(t) * K + I64(c_thr), _e4m3x4(*vals[0:4]), _e4m3x4(*vals[4:8]),
                       I32(cutlass.select_(t < T, I32(1), I32(0))))
-            if cutlass.const_expr(self.columnwise):
-                n_ok = cutlass.min(cutlass.max(T - (t_base + 4 * q), I32(0)), I32(4))
-                # bytes of tokens < T kept (no shift by 32: n_ok = 4 is the select's other arm)
-                mask = cutlass.select_(n_ok == 4, I32(-1), (I32(1) << (cutlass.min(n_ok, I32(3)) * 8)) - 1)
-                wq = cq_w + (((2 * half + q) ^ (cg >> 3)) * 4)
-                for c in cutlass.range_constexpr(VEC):
-                    _sts32(wq + c * FP8_BLOCK, _e4m3x4(*cv[c]) & mask)
-        if cutlass.const_expr(self.columnwise):
-            # the transposed codes leave as whole 128-byte lines: 8 lanes a column (chunk k = lane % 8), 4 columns
-            # a warp, 32 a pass; chunks at or past T_pad are not stored
-            cute.arch.sync_threads()
-            cq_base = mColQ.iterator.toint()
-            k = lane & 7
-            t_k = tile * FP8_BLOCK + k * 16
-            ok = I32(cutlass.select_(t_k < t_pad, I32(1), I32(0)))
-            for p in cutlass.range_constexpr(COLS // 32):
-                cl = p * 32 + warp * 4 + (lane >> 3)
-                wd = _lds4(sColQ.iterator.toint() + cl * FP8_BLOCK + ((k ^ ((cl >> 3) & 7)) * 16))
-                r = (p >> 1) & 1  # the words' rotation: (cl >> 6) & 1, the same for the whole pass
-                _stg4(cq_base + I64(c_cta + cl) * I64(t_pad) + I64(t_k), *[wd[qq ^ r] for qq in range(4)], ok)
+            n_ok = cutlass.min(cutlass.max(T - (t_base + 4 * q), I32(0)), I32(4))
+            # bytes of tokens < T kept (no shift by 32: n_ok = 4 is the select's other arm)
+            mask = cutlass.select_(n_ok == 4, I32(-1), (I32(1) << (cutlass.min(n_ok, I32(3)) * 8)) - 1)
+            wq = cq_w + (((2 * half + q) ^ (cg >> 3)) * 4)
+            for c in cutlass.range_constexpr(VEC):
+                _sts32(wq + c * FP8_BLOCK, _e4m3x4(*cv[c]) & mask)
+        # the transposed codes leave as whole 128-byte lines: 8 lanes a column (chunk k = lane % 8), 4 columns
+        # a warp, 32 a pass; chunks at or past T_pad are not stored
+        cute.arch.sync_threads()
+        cq_base = mColQ.iterator.toint()
+        k = lane & 7
+        t_k = tile * FP8_BLOCK + k * 16
+        ok = I32(cutlass.select_(t_k < t_pad, I32(1), I32(0)))
+        for p in cutlass.range_constexpr(COLS // 32):
+            cl = p * 32 + warp * 4 + (lane >> 3)
+            wd = _lds4(sColQ.iterator.toint() + cl * FP8_BLOCK + ((k ^ ((cl >> 3) & 7)) * 16))
+            r = (p >> 1) & 1  # the words' rotation: (cl >> 6) & 1, the same for the whole pass
+            _stg4(cq_base + I64(c_cta + cl) * I64(t_pad) + I64(t_k), *[wd[qq ^ r] for qq in range(4)], ok)
 
     @staticmethod
     def _butterfly(vals: list, lane, masks, op) -> list:
