@@ -1,0 +1,284 @@
+"""Probe (tools/probe_rows.py): the kernel of `mla_qproj/kernels/cute/rmsnorm_fp8_block_rows_sm90.py` with knobs
+(a register cap, a load hint, warps a CTA, and `persistent`: at most that many CTAs, each warp looping over row groups
+and loading the next group's x before working on the current one). Its docstring, as it was:
+
+The inference form of the RMSNorm + 1x128 block FP8 quantize kernel (SPEC §5) for sm_90a, in CuTe DSL: rsigma fp32
+[T], codes [T, K] and scale_inv M-major [K/128, T] from x [T, K] bf16 read once, with the bits of the training form
+(`rmsnorm_fp8_block_sm90.py`, `columnwise=True`) for the same x: rsigma, codes and scales.
+
+# %% Design
+Without the 128x1 blocks nothing couples tokens, so a warp owns whole rows: R (= ROWS_PER_WARP, 2) rows a warp, 4 warps
+(128 threads) a CTA, no cluster, no CTA barrier, no shared memory. Warps are independent: one warp's arithmetic
+overlaps the others' loads, where the cluster form's CTAs compute while the memory bus idles in its first and last
+waves (its fixed cost, ~8 us at T = 16384 and 65536 on an H100).
+- Lane l = 16 h + cg holds, of each 256-column chunk i < n = ceil(K / 256) of its R rows, the 8 columns
+  256 i + 128 h + 8 cg: block 2 i + h, column group cg, the columns a training-form thread holds of that block. A
+  half-warp reads a whole 1x128 block of a row (256 contiguous bytes, the warp 512). All R * n loads of 16 bytes are
+  issued up front (K = 1536: 12) and x stays in registers; rows past T and the missing half of the last chunk
+  (K / 128 odd) are predicated off and read as 0.
+- Sum of squares: a thread's fma chain over its 8 columns (the training form's), then the same transposed butterfly
+  (`RMSNormFp8BlockSm90._butterfly`, xor 8, 4, 2, 1) over S = pow2(R * n) slots (slot r n + i: row r, chunk i;
+  padded with zeros) in place of 8 tokens: a slot's partial is the training form's tree over the block's 16 column
+  groups, bit for bit, and ends on the lanes 16 h + (slot << (4 - log2 S)) (+ the lanes that share it when S < 16).
+  Each lane then gathers the K / 128 block partials of a row in block order with index shuffles and sums them in the
+  training form's rank order: rsigma = 1 / sqrt(sum / K + eps), with div.rn and sqrt.rn, the same bits.
+- xn = (x * rsigma) * g (two mul.rn), recomputed in each pass; the norm weight is re-read per chunk and pass (16-byte
+  loads, L1 hits) rather than held: 8 registers instead of 8 n.
+- Pass 1: amax of a slot's 8 columns, the same butterfly with max.f32 (NaN ignored): the lanes holding a slot
+  compute its scale by the SPEC's rule (`rmsnorm_fp8_block_sm90._scale_rule`) and the first of them stores
+  scale_inv to [K/128, T]. Pass 2: each lane fetches its blocks' scales with index shuffles (R n), converts (cvt.rn.
+  satfinite.e4m3x2.f32) and stores its 8 codes of a block and row as one 8-byte store (a warp: 256 contiguous bytes).
+Registers (ptxas, sm_90a, K = 1536): 128 with an fp32 weight, 96 with bf16, no spills: four CTAs an SM (16 warps,
+96 KB of loads in flight). Global addresses are 64-bit; T is a run-time extent (grid x = ceil(T / (4 R))). Compiled per
+(K, norm-weight dtype, zero-centered gamma, block scale), the keys of the training form with `columnwise=False`.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cutlass_dsl import dsl_user_op
+
+from mla_qproj.kernels.cute.rmsnorm_fp8_block_sm90 import (
+    BLOCK_SCALES,
+    COLS,
+    VEC,
+    RMSNormFp8BlockSm90,
+    _add_rn,
+    _bits_f32,
+    _div_rn,
+    _e4m3x4,
+    _hi_bf16,
+    _ldg4,
+    _ldg4_f32,
+    _lo_bf16,
+    _mul_rn_t,
+    _scale_rule,
+    _sqrt_rn,
+    _stg2,
+    _stg_f32,
+    _words,
+    geometry_ok,
+)
+from mla_qproj.kernels.cute.rope_gemm_sm90 import _absmax, _fma_rn, _fmax, _mul_rn
+
+F32, I32, I64 = cutlass.Float32, cutlass.Int32, cutlass.Int64
+WARPS = 4  # a CTA: 128 threads
+ROWS_PER_WARP = 2
+CHUNK = 2 * COLS  # columns of a row a warp covers with one 16-byte load a lane: two 1x128 blocks
+MASKS = (8, 4, 2, 1)  # the butterfly over a half-warp's 16 column groups
+
+
+@dsl_user_op
+def _ldg4_se(addr: cutlass.Int64, pred: cutlass.Int32, hint: str = "", *, loc=None, ip=None) -> list:
+    """`_ldg4` kept in program order (a prefetch: not sunk to the first use of its words)."""
+    return _words(4, ((I64, addr), (I32, pred)),
+                  "{ .reg .pred p; setp.ne.b32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
+                  f"mov.b32 $3, 0; @p ld.global.nc{hint}.v4.b32 {{$0, $1, $2, $3}}, [$4]; }}",
+                  "=r,=r,=r,=r,l,r", loc, ip, True)
+
+
+def chunks(K: int) -> int:
+    return -(-K // CHUNK)
+
+
+def slots(K: int, rows: int) -> int:
+    """S: the butterfly's slots, rows * chunks rounded up to a power of two (at most 16: K <= 2048, rows <= 2)."""
+    s = 1
+    while s < rows * chunks(K):
+        s *= 2
+    return s
+
+
+class RMSNormFp8BlockRowsSm90:
+    """rsigma, xn's 1x128 codes and M-major scale_inv from x [T, K] bf16 read once; a warp per `rows` rows."""
+
+    def __init__(self, K: int, zero_centered: bool, block_scale: str = "pow2", w_dtype=cutlass.Float32,
+                 rows: int = ROWS_PER_WARP, min_ctas: int = 0, hint: str = "", warps: int = WARPS,
+                 persistent: int = 0, hold: bool = False):
+        if not geometry_ok(K):
+            raise ValueError(f"unsupported K={K}: a multiple of {COLS} up to 2048")
+        if block_scale not in BLOCK_SCALES:
+            raise ValueError(f"unsupported block_scale {block_scale!r}")
+        if w_dtype not in (cutlass.Float32, cutlass.BFloat16):
+            raise ValueError(f"unsupported norm weight dtype {w_dtype}")
+        if rows not in (1, 2):
+            raise ValueError(f"unsupported rows={rows}: 1 or 2 a warp")
+        self.K, self.C, self.n, self.R = K, K // COLS, chunks(K), rows
+        self.S = slots(K, rows)
+        self.shift = 4 - (self.S.bit_length() - 1)  # slot s ends on the lanes 16 h + (s << shift) ...
+        self.min_ctas, self.hint, self.warps, self.persistent = min_ctas, hint, warps, persistent
+        self.hold = hold  # pass 2 reuses pass 1's xn (registers) instead of recomputing it from x and the weight
+        self.zero_centered = bool(zero_centered)
+        self.pow2 = block_scale == "pow2"
+        self.w_f32 = w_dtype == cutlass.Float32
+
+    # ------------------------------------------------------------------------------------------------ host
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
+                 mColQ: cute.Tensor, mColS: cute.Tensor, eps: cutlass.Float32, stream: cuda.CUstream):
+        """The training form's arguments; mColQ / mColS are placeholders, not touched."""
+        T = mX.shape[0]
+        rows_cta = self.warps * self.R
+        # min_ctas: a register cap (ptxas: at least this many CTAs an SM); the carveout keeps the DSL from asking the
+        # device for its shared memory size, so that it compiles offline
+        occupancy = (dict(min_blocks_per_mp=self.min_ctas, max_number_threads=[self.warps * 32, 1, 1],
+                          preferred_smem_carveout=0) if self.min_ctas else {})
+        if cutlass.const_expr(self.persistent > 0):  # at most `persistent` CTAs, looping over row groups
+            self.kernel_persistent(mX, mW, mRs, mRowQ, mRowS, eps, T).launch(
+                grid=[cutlass.min((T + rows_cta - 1) // rows_cta, self.persistent), 1, 1],
+                block=[self.warps * 32, 1, 1], stream=stream, **occupancy)
+        else:
+            self.kernel(mX, mW, mRs, mRowQ, mRowS, eps, T).launch(
+                grid=[(T + rows_cta - 1) // rows_cta, 1, 1], block=[self.warps * 32, 1, 1], stream=stream,
+                **occupancy)
+
+    # ---------------------------------------------------------------------------------------------- device
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
+               eps: cutlass.Float32, T: cutlass.Int32):
+        bid, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        row0 = (bid * self.warps + warp) * self.R
+        self._rows(row0, self._load(mX, row0, T), mW, mRs, mRowQ, mRowS, eps, T)
+
+    @cute.kernel
+    def kernel_persistent(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor,
+                          mRowS: cute.Tensor, eps: cutlass.Float32, T: cutlass.Int32):
+        """Each warp takes row groups gw, gw + W, ... (W: the grid's warps), loading the next group's x before
+        working on the current one (held in a register fragment between iterations)."""
+        R, n = self.R, self.n
+        bid, _, _ = cute.arch.block_idx()
+        nb, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        gw = bid * self.warps + warp
+        stride = nb * self.warps * R
+        cur = cute.make_rmem_tensor(R * n * 4, I32)
+        first = self._load(mX, gw * R, T)
+        for r in cutlass.range_constexpr(R):
+            for i in cutlass.range_constexpr(n):
+                for q in cutlass.range_constexpr(4):
+                    cur[(r * n + i) * 4 + q] = first[r][i][q]
+        n_it = (T - gw * R + stride - 1) // stride
+        for it in cutlass.range(n_it):
+            row0 = gw * R + it * stride
+            nxt = self._load(mX, row0 + stride, T, side_effects=True)
+            words = [[[cur[(r * n + i) * 4 + q] for q in range(4)] for i in range(n)] for r in range(R)]
+            self._rows(row0, words, mW, mRs, mRowQ, mRowS, eps, T)
+            for r in cutlass.range_constexpr(R):
+                for i in cutlass.range_constexpr(n):
+                    for q in cutlass.range_constexpr(4):
+                        cur[(r * n + i) * 4 + q] = nxt[r][i][q]
+
+    def _geometry(self, row0, T):
+        """(lane, h, cg, col, row_ok, ok, pred) of this lane for the row group at row0."""
+        C = self.C
+        lane = cute.arch.lane_idx()
+        h = lane >> 4  # which block of a chunk
+        cg = lane & 15  # column group: the lane's 8 columns of the block
+
+        def col(i):  # the lane's first column in chunk i (the h = 0 block's where the chunk has one block)
+            return CHUNK * i + COLS * h + VEC * cg if 2 * i + 1 < C else CHUNK * i + VEC * cg
+
+        def row_ok(r):
+            return (row0 + r) < T
+
+        def ok(r, i):  # the lane's 8 columns of chunk i exist in row r
+            return row_ok(r) if 2 * i + 1 < C else row_ok(r) & (h == 0)
+
+        def pred(b):
+            return I32(cutlass.select_(b, I32(1), I32(0)))
+
+        return lane, h, cg, col, row_ok, ok, pred
+
+    def _load(self, mX, row0, T, side_effects=False):
+        """x of the lane for the R rows at row0: R n loads of 16 bytes, issued together; rows past T read as 0."""
+        K = self.K
+        _, _, _, col, _, ok, pred = self._geometry(row0, T)
+        x_base = mX.iterator.toint()
+        ld = _ldg4_se if side_effects else _ldg4
+        return [[ld(x_base + (I64(row0 + r) * K + I64(col(i))) * 2, pred(ok(r, i))) for i in range(self.n)]
+                for r in range(self.R)]
+
+    def _rows(self, row0, xw, mW, mRs, mRowQ, mRowS, eps, T):
+        """rsigma, scale_inv and codes of the R rows at row0 from their loaded words xw[r][i] (4 words)."""
+        K, C, n, R, S, shift = self.K, self.C, self.n, self.R, self.S, self.shift
+        lane, h, cg, col, row_ok, ok, pred = self._geometry(row0, T)
+
+        def xval(r, i, c, tag):  # x[row r, column col(i) + c], fp32 (tag: the pass)
+            wd = xw[r][i][c // 2]
+            return _lo_bf16(wd, tag) if c % 2 == 0 else _hi_bf16(wd, tag)
+
+        w_base = mW.iterator.toint()
+
+        def gvals(i, tag):  # the norm weight of the lane's 8 columns of chunk i, fp32 (+ 1 where zero-centered)
+            g = []
+            if self.w_f32:
+                for q in range(2):
+                    g += [_bits_f32(wd) for wd in _ldg4_f32(w_base + I64(col(i) + 4 * q) * 4, tag)]
+            else:
+                for wd in _ldg4_f32(w_base + I64(col(i)) * 2, tag):
+                    g += [_lo_bf16(wd, tag), _hi_bf16(wd, tag)]
+            if self.zero_centered:
+                g = [_add_rn(v, F32(1.0)) for v in g]
+            return g
+
+        pad = [F32(0.0)] * (S - R * n)
+        # ---- sum of squares: per slot over the lane's 8 columns, then over the block's 16 column groups
+        ss = []
+        for r in range(R):
+            for i in range(n):
+                s = F32(0.0)
+                for c in range(VEC):
+                    v = xval(r, i, c, 0)
+                    s = _fma_rn(v, v, s)
+                ss.append(s)
+        part = RMSNormFp8BlockSm90._butterfly(ss + pad, lane, MASKS, _add_rn)[0]
+        # ---- rsigma of each row: its K / 128 block partials in block order (the training form's rank order)
+        rsv = []
+        for r in range(R):
+            tot = None
+            for b in range(C):
+                p = cute.arch.shuffle_sync(part, 16 * (b % 2) + ((r * n + b // 2) << shift))
+                tot = p if tot is None else _add_rn(tot, p)
+            rs = _div_rn(F32(1.0), _sqrt_rn(_add_rn(_div_rn(tot, F32(float(K))), eps)))
+            rsv.append(rs)
+            _stg_f32(mRs.iterator.toint() + I64(row0 + r) * 4, rs, pred((lane == r) & row_ok(r)))
+
+        def xn(r, i, c, g, tag):  # (x * rsigma) * g, the reference's op order
+            return _mul_rn_t(_mul_rn_t(xval(r, i, c, tag), rsv[r], tag), g[c], tag)
+
+        # ---- pass 1: amax of each slot, its scale on the lanes holding it; scale_inv stored by the first
+        am = [[None] * n for _ in range(R)]
+        held = {}
+        for i in range(n):
+            g = gvals(i, 1)
+            for r in range(R):
+                a = F32(0.0)
+                for c in range(VEC):
+                    v = xn(r, i, c, g, 1)
+                    if self.hold:
+                        held[(r, i, c)] = v
+                    a = _absmax(a, v)
+                am[r][i] = a
+        a_slot = RMSNormFp8BlockSm90._butterfly([a for rr in am for a in rr] + pad, lane, MASKS, _fmax)[0]
+        scale, sinv = _scale_rule(a_slot, self.pow2)
+        s_own = cg >> shift  # the lane's slot: row s // n, chunk s % n, block 2 (s % n) + h
+        r_own, i_own = s_own // n, s_own % n
+        b_own, t_own = 2 * i_own + h, row0 + r_own
+        first = (cg & ((1 << shift) - 1)) == 0
+        _stg_f32(mRowS.iterator.toint() + (I64(b_own) * T + I64(t_own)) * 4, sinv,
+                 pred(first & (s_own < R * n) & (b_own < C) & (t_own < T)))
+
+        # ---- pass 2: codes, 8 bytes a lane per block and row
+        rq_base = mRowQ.iterator.toint()
+        for i in range(n):
+            g = None if self.hold else gvals(i, 2)
+            for r in range(R):
+                sc = cute.arch.shuffle_sync(scale, 16 * h + ((r * n + i) << shift))
+                v = [_mul_rn(held[(r, i, c)] if self.hold else xn(r, i, c, g, 2), sc) for c in range(VEC)]
+                _stg2(rq_base + I64(row0 + r) * K + I64(col(i)), _e4m3x4(*v[0:4]), _e4m3x4(*v[4:8]),
+                      pred(ok(r, i)))
