@@ -345,8 +345,8 @@ def test_offline_compile_sass(K, columnwise, w_dtype, zc, block_scale, tmp_path)
     (2048, torch.bfloat16, False, "pow2")], ids=["v3_f32w", "v3_bf16w", "k384_fp32scale", "k2048"])
 def test_offline_compile_sass_inference(K, w_dtype, zc, block_scale, tmp_path):
     """The inference form (a warp per 2 rows) compiled without a GPU: no local memory, no barrier, cluster or shared
-    memory of any kind; x's 2 n loads of 16 bytes (n = ceil(K / 256) chunks) and the norm weight re-read per chunk in
-    each of the two passes; the transposed butterflies over S slots (S - 1 xor shuffles, plus one a mask left, for the
+    memory of any kind; x's 2 n loads of 16 bytes (n = ceil(K / 256) chunks) and the norm weight read per chunk in
+    pass 1, and again in pass 2 unless xn is held between the passes (2 n <= 12: K <= 1536); the transposed butterflies over S slots (S - 1 xor shuffles, plus one a mask left, for the
     sum of squares and for the amax), the index shuffles of the block partials (2 K / 128) and of the scales (2 n);
     the E4M3 conversions and one 8-byte store of codes a row and chunk; four 128-thread CTAs an SM by registers."""
     pytest.importorskip("nvidia.cu13", reason="needs nvidia-cuda-cuobjdump")
@@ -358,9 +358,11 @@ def test_offline_compile_sass_inference(K, w_dtype, zc, block_scale, tmp_path):
     assert rep["REG"] <= 128 and rep["CTAS_PER_SM_BY_REG"] >= 4, summary
     assert rep["BAR"] == rep["UCGABAR_ARV"] == rep["STAS.128"] == rep["DSMEM_LD"] == 0, summary
     assert rep["STS.32"] == rep["LDS.128"] == rep["LDGSTS.128"] == 0, summary
-    assert rep["LDG.E.128"] == R * n + 2 * n * (2 if w_dtype == torch.float32 else 1), summary
+    passes = 1 if R * n <= 12 else 2
+    assert rep["LDG.E.128"] == R * n + passes * n * (2 if w_dtype == torch.float32 else 1), summary
     assert rep["SHFL.BFLY"] == 2 * (S - 1 + 4 - (S.bit_length() - 1)), summary
-    assert rep["SHFL.IDX"] == R * C + R * n, summary
+    # holding xn under the 128-register cap, ptxas may copy one index shuffle into both arms of a branch
+    assert R * C + R * n <= rep["SHFL.IDX"] <= R * C + R * n + (R * n <= 12), summary
     assert rep["F2FP_E4M3"] == 4 * R * n, summary
     assert rep["STG.E.64"] == R * n and rep["STG.E.128"] == 0, summary
     assert "SATFINITE.E4M3" in rep["sass"]

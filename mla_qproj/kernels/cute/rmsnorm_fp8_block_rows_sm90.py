@@ -19,14 +19,15 @@ bytes does, over a fixed ~6.6 us of ramp and drain.
   groups, bit for bit, and ends on the lanes 16 h + (slot << (4 - log2 S)) (+ the lanes that share it when S < 16).
   Each lane then gathers the K / 128 block partials of a row in block order with index shuffles and sums them in the
   training form's rank order: rsigma = 1 / sqrt(sum / K + eps), with div.rn and sqrt.rn, the same bits.
-- xn = (x * rsigma) * g (two mul.rn), recomputed in each pass; the norm weight is re-read per chunk and pass (16-byte
-  loads, L1 hits) rather than held: 8 registers instead of 8 n.
+- xn = (x * rsigma) * g (two mul.rn), computed in pass 1 and held in registers for pass 2 where R n <= 12 (K <= 1536
+  at 2 rows: 96 registers, ptxas told to fit four CTAs an SM); past that, recomputed in pass 2. The norm weight is
+  read per chunk and pass (16-byte loads, L1 hits) rather than held: 8 registers instead of 8 n.
 - Pass 1: amax of a slot's 8 columns, the same butterfly with max.f32 (NaN ignored): the lanes holding a slot
   compute its scale by the SPEC's rule (`rmsnorm_fp8_block_sm90._scale_rule`) and the first of them stores
   scale_inv to [K/128, T]. Pass 2: each lane fetches its blocks' scales with index shuffles (R n), converts (cvt.rn.
   satfinite.e4m3x2.f32) and stores its 8 codes of a block and row as one 8-byte store (a warp: 256 contiguous bytes).
-Registers (ptxas, sm_90a, K = 1536): 128 with an fp32 weight, 96 with bf16, no spills: four CTAs an SM (16 warps,
-96 KB of loads in flight). Global addresses are 64-bit; T is a run-time extent (grid x = ceil(T / (4 R))). Compiled per
+Registers (ptxas, sm_90a, K = 1536): 128 with either weight dtype, no spills (143 uncapped), four CTAs an SM (16
+warps, 96 KB of loads in flight); 1352 SASS instructions a warp, against 1656 recomputing xn. Global addresses are 64-bit; T is a run-time extent (grid x = ceil(T / (4 R))). Compiled per
 (K, norm-weight dtype, zero-centered gamma, block scale), the keys of the training form with `columnwise=False`.
 """
 
@@ -60,6 +61,8 @@ from .rope_gemm_sm90 import _absmax, _fma_rn, _fmax, _mul_rn
 F32, I32, I64 = cutlass.Float32, cutlass.Int32, cutlass.Int64
 WARPS = 4  # a CTA: 128 threads
 ROWS_PER_WARP = 2
+CTAS_PER_SM = 4  # the register cap: 128 a thread
+HOLD_CHUNKS = 12  # xn is held from pass 1 to pass 2 up to 12 row-chunks a warp (K <= 1536 at 2 rows): 96 registers
 CHUNK = 2 * COLS  # columns of a row a warp covers with one 16-byte load a lane: two 1x128 blocks
 MASKS = (8, 4, 2, 1)  # the butterfly over a half-warp's 16 column groups
 
@@ -84,6 +87,7 @@ class RMSNormFp8BlockRowsSm90:
         self.K, self.C, self.n, self.R = K, K // COLS, chunks(K), rows
         self.S = slots(K, rows)
         self.shift = 4 - (self.S.bit_length() - 1)  # slot s ends on the lanes 16 h + (s << shift) ...
+        self.hold = rows * self.n <= HOLD_CHUNKS  # pass 2 reuses pass 1's xn (8 R n registers)
         self.zero_centered = bool(zero_centered)
         self.pow2 = block_scale == "pow2"
         self.w_f32 = w_dtype == cutlass.Float32
@@ -96,8 +100,12 @@ class RMSNormFp8BlockRowsSm90:
         """The training form's arguments; mColQ / mColS are placeholders, not touched."""
         T = mX.shape[0]
         rows_cta = WARPS * self.R
+        # holding xn, ptxas is told to fit CTAS_PER_SM CTAs an SM (128 registers: it would take 143 at K = 1536); the
+        # carveout spares the DSL asking the device for its shared memory size, so that it compiles offline
+        cap = (dict(min_blocks_per_mp=CTAS_PER_SM, max_number_threads=[WARPS * 32, 1, 1], preferred_smem_carveout=0)
+               if self.hold else {})
         self.kernel(mX, mW, mRs, mRowQ, mRowS, eps, T).launch(
-            grid=[(T + rows_cta - 1) // rows_cta, 1, 1], block=[WARPS * 32, 1, 1], stream=stream)
+            grid=[(T + rows_cta - 1) // rows_cta, 1, 1], block=[WARPS * 32, 1, 1], stream=stream, **cap)
 
     # ---------------------------------------------------------------------------------------------- device
 
@@ -174,12 +182,16 @@ class RMSNormFp8BlockRowsSm90:
 
         # ---- pass 1: amax of each slot, its scale on the lanes holding it; scale_inv stored by the first
         am = [[None] * n for _ in range(R)]
+        xnv = {}  # xn of (row, chunk, column), held for pass 2
         for i in cutlass.range_constexpr(n):
             g = gvals(i, 1)
             for r in cutlass.range_constexpr(R):
                 a = F32(0.0)
                 for c in cutlass.range_constexpr(VEC):
-                    a = _absmax(a, xn(r, i, c, g, 1))
+                    v = xn(r, i, c, g, 1)
+                    if cutlass.const_expr(self.hold):
+                        xnv[(r, i, c)] = v
+                    a = _absmax(a, v)
                 am[r][i] = a
         a_slot = RMSNormFp8BlockSm90._butterfly([a for rr in am for a in rr] + pad, lane, MASKS, _fmax)[0]
         scale, sinv = _scale_rule(a_slot, self.pow2)
@@ -193,9 +205,9 @@ class RMSNormFp8BlockRowsSm90:
         # ---- pass 2: codes, 8 bytes a lane per block and row
         rq_base = mRowQ.iterator.toint()
         for i in cutlass.range_constexpr(n):
-            g = gvals(i, 2)
+            g = None if self.hold else gvals(i, 2)
             for r in cutlass.range_constexpr(R):
                 sc = cute.arch.shuffle_sync(scale, 16 * h + ((r * n + i) << shift))
-                v = [_mul_rn(xn(r, i, c, g, 2), sc) for c in range(VEC)]
+                v = [_mul_rn(xnv[(r, i, c)] if self.hold else xn(r, i, c, g, 2), sc) for c in range(VEC)]
                 _stg2(rq_base + I64(row0 + r) * K + I64(col(i)), _e4m3x4(*v[0:4]), _e4m3x4(*v[4:8]),
                       pred(ok(r, i)))
