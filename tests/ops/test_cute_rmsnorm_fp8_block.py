@@ -346,8 +346,9 @@ def test_offline_compile_sass(K, columnwise, w_dtype, zc, block_scale, tmp_path)
 def test_offline_compile_sass_inference(K, w_dtype, zc, block_scale, tmp_path):
     """The inference form (a warp per 2 rows) compiled without a GPU: no local memory, no barrier, cluster or shared
     memory of any kind; x's 2 n loads of 16 bytes (n = ceil(K / 256) chunks) and the norm weight read per chunk in
-    pass 1, and again in pass 2 unless xn is held between the passes (2 n <= 12: K <= 1536); the transposed butterflies over S slots (S - 1 xor shuffles, plus one a mask left, for the
-    sum of squares and for the amax), the index shuffles of the block partials (2 K / 128) and of the scales (2 n);
+    pass 1, and again in pass 2 unless xn is held between the passes (2 n <= 12: K <= 1536); the transposed
+    butterflies over S slots (S - 1 xor shuffles, plus one a mask left, for the sum of squares and for the amax), the
+    index shuffles of the block partials (2 K / 128) and of the scales (2 n);
     the E4M3 conversions and one 8-byte store of codes a row and chunk; four 128-thread CTAs an SM by registers."""
     pytest.importorskip("nvidia.cu13", reason="needs nvidia-cuda-cuobjdump")
     rep = _sass(K, False, w_dtype, zc, block_scale, tmp_path)

@@ -5,9 +5,9 @@
 # %% Design
 Without the 128x1 blocks nothing couples tokens, so a warp owns whole rows: R (= ROWS_PER_WARP, 2) rows a warp, 4 warps
 (128 threads) a CTA, no cluster, no CTA barrier, no shared memory. Warps are independent: one warp's arithmetic
-overlaps the others' loads. Measured on an H100 at K = 1536 (BENCHMARKS.md, 2026-12-07): 9.9 us at T = 4096 (the
-cluster form 11.7), 31.8 at 16384 (32.1), 107 at 65536 (108); from 16384 tokens on a row costs what a copy of its
-bytes does, over a fixed ~6.6 us of ramp and drain.
+overlaps the others' loads. Measured at K = 1536 (BENCHMARKS.md, 2026-12-07): on an H100, recomputing xn in pass 2,
+9.9 us at T = 4096 (the cluster form 11.7), 31.8 at 16384 (32.1), 107 at 65536 (108); on an H200, holding xn, 8.6 /
+25.2 / 78.5 us against 9.1 / 25.6 / 79.1 recomputing it (0.71 of a device copy's rate at 16384).
 - Lane l = 16 h + cg holds, of each 256-column chunk i < n = ceil(K / 256) of its R rows, the 8 columns
   256 i + 128 h + 8 cg: block 2 i + h, column group cg, the columns a training-form thread holds of that block. A
   half-warp reads a whole 1x128 block of a row (256 contiguous bytes, the warp 512). All R * n loads of 16 bytes are
@@ -27,8 +27,9 @@ bytes does, over a fixed ~6.6 us of ramp and drain.
   scale_inv to [K/128, T]. Pass 2: each lane fetches its blocks' scales with index shuffles (R n), converts (cvt.rn.
   satfinite.e4m3x2.f32) and stores its 8 codes of a block and row as one 8-byte store (a warp: 256 contiguous bytes).
 Registers (ptxas, sm_90a, K = 1536): 128 with either weight dtype, no spills (143 uncapped), four CTAs an SM (16
-warps, 96 KB of loads in flight); 1352 SASS instructions a warp, against 1656 recomputing xn. Global addresses are 64-bit; T is a run-time extent (grid x = ceil(T / (4 R))). Compiled per
-(K, norm-weight dtype, zero-centered gamma, block scale), the keys of the training form with `columnwise=False`.
+warps, 96 KB of loads in flight); 1352 SASS instructions a warp, against 1656 recomputing xn. Global addresses are
+64-bit; T is a run-time extent (grid x = ceil(T / (4 R))). Compiled per (K, norm-weight dtype, zero-centered gamma,
+block scale), the keys of the training form with `columnwise=False`.
 """
 
 from __future__ import annotations
