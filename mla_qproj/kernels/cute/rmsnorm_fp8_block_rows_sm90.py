@@ -183,16 +183,14 @@ class RMSNormFp8BlockRowsSm90:
 
         # ---- pass 1: amax of each slot, its scale on the lanes holding it; scale_inv stored by the first
         am = [[None] * n for _ in range(R)]
-        xnv = {}  # xn of (row, chunk, column), held for pass 2
+        xnv = {}  # xn of (row, chunk, column); pass 2 reads it where held (else dead after this pass)
         for i in cutlass.range_constexpr(n):
             g = gvals(i, 1)
             for r in cutlass.range_constexpr(R):
                 a = F32(0.0)
                 for c in cutlass.range_constexpr(VEC):
-                    v = xn(r, i, c, g, 1)
-                    if cutlass.const_expr(self.hold):
-                        xnv[(r, i, c)] = v
-                    a = _absmax(a, v)
+                    xnv[(r, i, c)] = xn(r, i, c, g, 1)
+                    a = _absmax(a, xnv[(r, i, c)])
                 am[r][i] = a
         a_slot = RMSNormFp8BlockSm90._butterfly([a for rr in am for a in rr] + pad, lane, MASKS, _fmax)[0]
         scale, sinv = _scale_rule(a_slot, self.pow2)
