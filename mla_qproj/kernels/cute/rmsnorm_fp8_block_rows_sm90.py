@@ -68,6 +68,10 @@ CHUNK = 2 * COLS  # columns of a row a warp covers with one 16-byte load a lane:
 MASKS = (8, 4, 2, 1)  # the butterfly over a half-warp's 16 column groups
 
 
+def _pred(b):
+    return I32(cutlass.select_(b, I32(1), I32(0)))
+
+
 def chunks(K: int) -> int:
     return -(-K // CHUNK)
 
@@ -113,70 +117,81 @@ class RMSNormFp8BlockRowsSm90:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mRs: cute.Tensor, mRowQ: cute.Tensor, mRowS: cute.Tensor,
                eps: cutlass.Float32, T: cutlass.Int32):
-        K, C, n, R, S, shift = self.K, self.C, self.n, self.R, self.S, self.shift
+        K, n, R = self.K, self.n, self.R
         bid, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
         h = lane >> 4  # which block of a chunk
         cg = lane & 15  # column group: the lane's 8 columns of the block
         row0 = (bid * WARPS + warp) * R
+        # ---- x: R n loads of 16 bytes, issued together
+        x_base = mX.iterator.toint()
+        xw = [[_ldg4(x_base + (I64(row0 + r) * K + I64(self._col(i, h, cg))) * 2,
+                     _pred(self._ok(r, i, row0, T, h))) for i in range(n)] for r in range(R)]
+        self._rows(xw, row0, T, lane, eps, mW.iterator.toint(), mRs.iterator.toint(), mRowQ.iterator.toint(),
+                   mRowS.iterator.toint())
 
-        def col(i):  # the lane's first column in chunk i (the h = 0 block's where the chunk has one block)
-            return CHUNK * i + COLS * h + VEC * cg if 2 * i + 1 < C else CHUNK * i + VEC * cg
+    def _col(self, i, h, cg):
+        """The lane's first column in chunk i (the h = 0 block's where the chunk has one block)."""
+        return CHUNK * i + COLS * h + VEC * cg if 2 * i + 1 < self.C else CHUNK * i + VEC * cg
+
+    def _ok(self, r, i, row0, T, h):
+        """Whether the lane's 8 columns of chunk i exist in row r."""
+        return (row0 + r) < T if 2 * i + 1 < self.C else ((row0 + r) < T) & (h == 0)
+
+    def _rows(self, xw, row0, T, lane, eps, w_base, rs_base, rq_base, sc_base):
+        """Everything after the loads, for the warp's R rows from row0 (xw: the lanes' words of x, R x n x 4). Plain
+        Python (unrolled as it runs): the kernels call it inside their staged code."""
+        K, C, n, R, S, shift = self.K, self.C, self.n, self.R, self.S, self.shift
+        h = lane >> 4
+        cg = lane & 15
+
+        def col(i):
+            return self._col(i, h, cg)
 
         def row_ok(r):
             return (row0 + r) < T
 
-        def ok(r, i):  # the lane's 8 columns of chunk i exist in row r
-            return row_ok(r) if 2 * i + 1 < C else row_ok(r) & (h == 0)
-
-        def pred(b):
-            return I32(cutlass.select_(b, I32(1), I32(0)))
-
-        # ---- x: R n loads of 16 bytes, issued together
-        x_base = mX.iterator.toint()
-        xw = [[_ldg4(x_base + (I64(row0 + r) * K + I64(col(i))) * 2, pred(ok(r, i))) for i in range(n)]
-              for r in range(R)]
+        def ok(r, i):
+            return self._ok(r, i, row0, T, h)
 
         def xval(r, i, c, tag):  # x[row r, column col(i) + c], fp32 (tag: the pass)
             wd = xw[r][i][c // 2]
             return _lo_bf16(wd, tag) if c % 2 == 0 else _hi_bf16(wd, tag)
 
-        w_base = mW.iterator.toint()
-
         def gvals(i, tag):  # the norm weight of the lane's 8 columns of chunk i, fp32 (+ 1 where zero-centered)
             g = []
-            if cutlass.const_expr(self.w_f32):
-                for q in cutlass.range_constexpr(2):
+            if self.w_f32:
+                for q in range(2):
                     g += [_bits_f32(wd) for wd in _ldg4_f32(w_base + I64(col(i) + 4 * q) * 4, tag)]
             else:
                 for wd in _ldg4_f32(w_base + I64(col(i)) * 2, tag):
                     g += [_lo_bf16(wd, tag), _hi_bf16(wd, tag)]
-            if cutlass.const_expr(self.zero_centered):
+            if self.zero_centered:
                 g = [_add_rn(v, F32(1.0)) for v in g]
             return g
 
         pad = [F32(0.0)] * (S - R * n)
         # ---- sum of squares: per slot over the lane's 8 columns, then over the block's 16 column groups
         ss = []
-        for r in cutlass.range_constexpr(R):
-            for i in cutlass.range_constexpr(n):
+        for r in range(R):
+            for i in range(n):
                 s = F32(0.0)
-                for c in cutlass.range_constexpr(VEC):
+                for c in range(VEC):
                     v = xval(r, i, c, 0)
                     s = _fma_rn(v, v, s)
                 ss.append(s)
         part = RMSNormFp8BlockSm90._butterfly(ss + pad, lane, MASKS, _add_rn)[0]
         # ---- rsigma of each row: its K / 128 block partials in block order (the training form's rank order)
         rsv = []
-        for r in cutlass.range_constexpr(R):
+        for r in range(R):
             tot = None
-            for b in cutlass.range_constexpr(C):
+            for b in range(C):
                 p = cute.arch.shuffle_sync(part, 16 * (b % 2) + ((r * n + b // 2) << shift))
                 tot = p if tot is None else _add_rn(tot, p)
             rs = _div_rn(F32(1.0), _sqrt_rn(_add_rn(_div_rn(tot, F32(float(K))), eps)))
             rsv.append(rs)
-            _stg_f32(mRs.iterator.toint() + I64(row0 + r) * 4, rs, pred((lane == r) & row_ok(r)))
+            _stg_f32(rs_base + I64(row0 + r) * 4, rs, _pred((lane == r) & row_ok(r)))
 
         def xn(r, i, c, g, tag):  # (x * rsigma) * g, the reference's op order
             return _mul_rn_t(_mul_rn_t(xval(r, i, c, tag), rsv[r], tag), g[c], tag)
@@ -184,11 +199,11 @@ class RMSNormFp8BlockRowsSm90:
         # ---- pass 1: amax of each slot, its scale on the lanes holding it; scale_inv stored by the first
         am = [[None] * n for _ in range(R)]
         xnv = {}  # xn of (row, chunk, column); pass 2 reads it where held (else dead after this pass)
-        for i in cutlass.range_constexpr(n):
+        for i in range(n):
             g = gvals(i, 1)
-            for r in cutlass.range_constexpr(R):
+            for r in range(R):
                 a = F32(0.0)
-                for c in cutlass.range_constexpr(VEC):
+                for c in range(VEC):
                     xnv[(r, i, c)] = xn(r, i, c, g, 1)
                     a = _absmax(a, xnv[(r, i, c)])
                 am[r][i] = a
@@ -198,15 +213,14 @@ class RMSNormFp8BlockRowsSm90:
         r_own, i_own = s_own // n, s_own % n
         b_own, t_own = 2 * i_own + h, row0 + r_own
         first = (cg & ((1 << shift) - 1)) == 0
-        _stg_f32(mRowS.iterator.toint() + (I64(b_own) * T + I64(t_own)) * 4, sinv,
-                 pred(first & (s_own < R * n) & (b_own < C) & (t_own < T)))
+        _stg_f32(sc_base + (I64(b_own) * T + I64(t_own)) * 4, sinv,
+                 _pred(first & (s_own < R * n) & (b_own < C) & (t_own < T)))
 
         # ---- pass 2: codes, 8 bytes a lane per block and row
-        rq_base = mRowQ.iterator.toint()
-        for i in cutlass.range_constexpr(n):
+        for i in range(n):
             g = None if self.hold else gvals(i, 2)
-            for r in cutlass.range_constexpr(R):
+            for r in range(R):
                 sc = cute.arch.shuffle_sync(scale, 16 * h + ((r * n + i) << shift))
                 v = [_mul_rn(xnv[(r, i, c)] if self.hold else xn(r, i, c, g, 2), sc) for c in range(VEC)]
                 _stg2(rq_base + I64(row0 + r) * K + I64(col(i)), _e4m3x4(*v[0:4]), _e4m3x4(*v[4:8]),
-                      pred(ok(r, i)))
+                      _pred(ok(r, i)))
