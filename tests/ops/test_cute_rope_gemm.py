@@ -114,6 +114,28 @@ def test_offline_compile_sass(geom, style, precision, query, tmp_path):
         assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in rep["sass"]) == (D == 192), D
 
 
+@pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
+@pytest.mark.parametrize("K,unrolled", [(1536, True), (384, True), (2560, False)])
+def test_offline_pipelined_k_blocks(K, unrolled, tmp_path):
+    """fp8 operands with `pipelined`: each K block's second half is promoted while the next block's first half runs,
+    so every wait on the WGMMAs but the tile's last leaves one group in flight (2·K/128 - 1 waits to 1, one to 0),
+    which needs the tile's K blocks unrolled (a group in flight across a loop's back edge makes ptxas serialize every
+    WGMMA): 8 QGMMAs (4 k32 steps x 2 halves) per K block, none spilled. Past 16 K blocks the loop form stays (one
+    block's 8 QGMMAs in a loop)."""
+    tools = _tools()
+    cfg = _cfg((K, 8, 128, 64, 192))
+    _, cubin = tools.compile_one(cfg, 132, str(tmp_path), pipelined=True)
+    rep = tools.sass_report(cubin)
+    kb = K // 128
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", rep["sass"])
+    if unrolled:
+        assert rep["QGMMA"] == 8 * kb, rep["QGMMA"]
+        assert waits.count("0x1") == 2 * kb - 1 and waits.count("0x0") == 1, waits
+    else:
+        assert rep["QGMMA"] <= 16 and waits.count("0x1") <= 2, (rep["QGMMA"], waits)
+    assert rep["STACK"] == 0 and rep["LDL"] + rep["STL"] == 0 and rep["LOOP_LDL_STL"] == 0, rep["REG"]
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 
 

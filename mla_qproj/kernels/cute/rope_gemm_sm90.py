@@ -161,7 +161,7 @@ class RopeGemmSm90:
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
-                 split: bool = False, overlap: bool = True):
+                 split: bool = False, overlap: bool = True, pipelined: bool = False, max_unrolled_k: int = 16):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -204,6 +204,11 @@ class RopeGemmSm90:
         self.parts = 2 if halves and (split or overlap or self.phases is None) else 1
         self.overlap = self.parts == 2 and overlap and not split and self.phases is not None
         self.sub = D // self.parts
+        # pipelined (with overlap): the next K block's first half is issued before this block's second half is
+        # promoted, so the tensor cores always have a group queued behind the one the promotion waits for. A WGMMA
+        # group left in flight across a loop's back edge makes ptxas serialize every WGMMA (C7514), so the tile's K
+        # blocks are unrolled: up to max_unrolled_k blocks (the code grows with K); longer K keeps the loop
+        self.pipelined = pipelined and self.overlap and self.k_tiles <= max_unrolled_k
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
         self.cluster_m = cluster_m
@@ -424,6 +429,8 @@ class RopeGemmSm90:
                 tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
                 work = tiles.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                # pipelined: the stage to release next (one block behind `state` inside a tile, level with it between)
+                rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 # the next tile: its W scales are read from global memory while this one runs
                 ahead = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
                 ahead.advance_to_next_work()
@@ -465,10 +472,13 @@ class RopeGemmSm90:
                     nxt[1] = mSA[(0, r1)]
                     blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
                               col0 - b0 * BLOCK)
-                    state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
-                    for k in cutlass.range(1, self.k_tiles, unroll=1):
-                        # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
-                        state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
+                    if cutlass.const_expr(self.pipelined):
+                        state, rel, tiled_mma = self._k_blocks_pipelined(state, rel, tiled_mma, blocks, tables)
+                    else:
+                        state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
+                        for k in cutlass.range(1, self.k_tiles, unroll=1):
+                            # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
+                            state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
                     self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
 
                     # -------------------------------------------------------------------------------- epilogue
@@ -545,6 +555,44 @@ class RopeGemmSm90:
                 retire(part, self.parts - 1 - part)
         state.advance()
         return state, tiled_mma
+
+    def _issue(self, tiled_mma, dst, tCrA, tCrB, k_blocks, state):
+        """One sub-tile's WGMMAs of the K block at ring position `state` into dst (zeroed by the first), as one
+        group."""
+        warpgroup.fence()
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+        for kb in range(k_blocks):
+            cute.gemm(tiled_mma, dst, tCrA[(None, None, kb, state.index)], tCrB[(None, None, kb, state.index)], dst)
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    def _k_blocks_pipelined(self, state, rel, tiled_mma, blocks, tables):
+        """A tile's K blocks, software-pipelined (plain Python, unrolled: no WGMMA group crosses a loop's back edge).
+        Block k: its second half issued (its first is already queued), the scale bookkeeping, the wait for the first
+        half and its promotion (under the second half's WGMMAs); then block k + 1's first half issued, the wait for
+        block k's second half, its stage released (`rel`) and its promotion (under block k + 1's first half). Two
+        groups are in flight at every wait but the tile's last. Returns the advanced states and the MMA."""
+        ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c, off = blocks
+        ring.consumer_wait(state)
+        self._issue(tiled_mma, blk[0], tCrA, tCrB[0], k_blocks, state)
+        for k in range(self.k_tiles):
+            self._issue(tiled_mma, blk[1], tCrA, tCrB[1], k_blocks, state)
+            state.advance()
+            if k == 0:
+                tables()
+            self._next_scales(cur, nxt, mSA, sSW, k, r0, r1, buf, c)
+            warpgroup.wait_group(1)
+            self._promote(acc, blk[0], cur, off, 0)
+            if k + 1 < self.k_tiles:
+                ring.consumer_wait(state)
+                self._issue(tiled_mma, blk[0], tCrA, tCrB[0], k_blocks, state)
+                warpgroup.wait_group(1)
+            else:
+                warpgroup.wait_group(0)
+            ring.consumer_release(rel)
+            rel.advance()
+            self._promote(acc, blk[1], cur, off, 1)
+        return state, rel, tiled_mma
 
     @cute.jit
     def _pingpong(self, tiled_mma: cute.TiledMma, ring, sA: cute.Tensor, sB: cute.Tensor, sYw: cute.Tensor,
