@@ -32,6 +32,22 @@ FUNCTION = "qproj_rope_gemm"
 PRECISIONS = ("fp8_block", "mxfp8", "bf16")  # the operand kinds: E4M3 codes for fp8_block, bf16 images otherwise
 
 
+WIDE_N = 256  # the fp8 engine's output tile width where the heads allow (`wide_tiles`)
+
+
+def wide_tiles(H: int, D: int, P: int, R: int, bn: int = WIDE_N) -> bool:
+    """Whether [128, bn] tiles of the [T, H·D] query can cut across heads: whole tiles (H·D % bn == 0), every head's
+    rope columns [P, P + R) inside one tile (its pairs, and deepseek's moves, stay in the tile), and at most four tile
+    phases against the heads (the epilogue is compiled once per phase). (An MXFP8 query's D % 32 == 0 makes its
+    heads' 32-blocks the tile's.)"""
+    N = H * D
+    if bn <= 0 or N % bn:
+        return False
+    if any((h * D + P) // bn != (h * D + P + R - 1) // bn for h in range(H)):
+        return False
+    return len({(n * bn) % D for n in range(N // bn)}) <= 4
+
+
 def supported(cfg: QProjConfig) -> bool:
     """Geometries the kernel covers: one head per [128, D] tile with D <= 192 (two fp32 tiles of 64 x D in 240
     registers with fp8 operands; bf16 operands need one), 8-column groups that are all pass-through or all RoPE, R/2 %

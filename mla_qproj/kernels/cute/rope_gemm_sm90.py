@@ -69,6 +69,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from ..._constants import FP8_BLOCK
+from .rope_gemm import WIDE_N, wide_tiles
 
 BLOCK = FP8_BLOCK  # SPEC §5: K blocks of A (1x128) and W (128x128)
 ROWS_PER_WG = 64  # rows of the output tile per consumer warpgroup (one m64 WGMMA)
@@ -161,7 +162,7 @@ class RopeGemmSm90:
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
-                 split: bool = False, overlap: bool = True, pipelined: bool = False, max_unrolled_k: int = 16):
+                 split: bool = False, overlap: bool = True, col_tile: int = WIDE_N):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -182,10 +183,18 @@ class RopeGemmSm90:
         self.num_sms = num_sms
         self.swizzle = swizzle
         self.raster_along_m = raster_along_m
-        self.bm, self.bn, self.bk = 2 * ROWS_PER_WG, D, BLOCK if self.fp8 else BF16_BK
-        # the heads' phases against W's 128-row scale blocks (head n starts (n·D) % 128 rows into one): with a few,
-        # the promotion is compiled once per phase, with each column group's scale known (V3: D = 192, phases 0, 64)
-        phases = sorted({(n * D) % BLOCK for n in range(H)})
+        # fp8 operands: [128, col_tile] tiles of the output where the heads allow (`wide_tiles`), else one head a tile
+        self.wide = self.fp8 and col_tile > 0 and wide_tiles(H, D, P, R, col_tile)
+        bn = col_tile if self.wide else D
+        self.bm, self.bn, self.bk = 2 * ROWS_PER_WG, bn, BLOCK if self.fp8 else BF16_BK
+        self.n_tiles = self.N // bn
+        # the tiles' phases against the heads (tile n starts (n·bn) % D columns into a head; one head a tile: 0), for
+        # the epilogue, compiled once per phase (V3 in 256-column tiles: 0, 64, 128)
+        self.tile_phases = sorted({(n * bn) % D for n in range(self.n_tiles)})
+        # the tiles' phases against W's 128-row scale blocks (tile n starts (n·bn) % 128 rows into one): with a few,
+        # the promotion is compiled once per phase, with each column group's scale known (V3, head tiles: D = 192,
+        # phases 0, 64; 256-column tiles: 0)
+        phases = sorted({(n * bn) % BLOCK for n in range(self.n_tiles)})
         self.phases = phases if len(phases) <= max_phases else None
         # fp8: a K block's WGMMAs cover the head in two m64n(D/2) sub-tiles, issued together into the two halves of a
         # D/2-register block buffer (beside the D/2-register accumulator: 192 of 240 at D = 192); the first half is
@@ -200,29 +209,28 @@ class RopeGemmSm90:
         # which the fp8 promotion's block buffer beside it would not leave room for); fp8: cooperative (both
         # warpgroups on one tile, 64 rows each)
         self.pingpong = not self.fp8
-        halves = self.fp8 and D > 128 and D % 16 == 0
+        # 256-column tiles: a 128-register accumulator leaves room for one 64-register sub-tile buffer (two
+        # m64n128 sub-tiles in turn, each W block's own: a K block costs two waits)
+        halves = self.fp8 and bn > 128 and bn % 16 == 0
+        split = split or self.wide
         self.parts = 2 if halves and (split or overlap or self.phases is None) else 1
         self.overlap = self.parts == 2 and overlap and not split and self.phases is not None
-        self.sub = D // self.parts
-        # pipelined (with overlap): the next K block's first half is issued before this block's second half is
-        # promoted, so the tensor cores always have a group queued behind the one the promotion waits for. A WGMMA
-        # group left in flight across a loop's back edge makes ptxas serialize every WGMMA (C7514), so the tile's K
-        # blocks are unrolled: up to max_unrolled_k blocks (the code grows with K); longer K keeps the loop
-        self.pipelined = pipelined and self.overlap and self.k_tiles <= max_unrolled_k
+        self.sub = bn // self.parts
         # clusters of cluster_m CTAs on consecutive 128-token tiles of one head: each loads 1/cluster_m of the W tile
         # and multicasts it to the others (W's L2 -> SM traffic divided by cluster_m)
         self.cluster_m = cluster_m
         # the epilogue tile of a consumer warpgroup: bf16 query, [64, D/2] written and stored twice (shared memory for
         # the RoPE tables' rows, which arrive by TMA during the main loop), or [64, D] where D/2 is not a multiple of 8;
         # MXFP8 query, the [64, D] bytes of its codes once, seen as [64, D/2] 16-bit words (the same layout)
-        self.epi_halves = D % 16 == 0 and not self.mx
-        self.epi_w = D // 2 if (self.epi_halves or self.mx) else D
+        self.epi_halves = bn % 16 == 0 and not self.mx
+        self.epi_w = bn // 2 if (self.epi_halves or self.mx) else bn
         # the second half goes through the room of the warpgroup's RoPE tables (read into registers by then), so
         # that it need not wait for the first half's store to read the buffer; the next tile's tables are loaded
         # under its first K block's WGMMAs, once both stores have read their rooms
         self.epi_in_tables = self.epi_halves and 2 * self.RH * 4 >= self.epi_w * 2
         self.w_blocks = -(-self.N // BLOCK)  # rows of W's 128x128 scale grid
-        self.span = (BLOCK - 8 + D + BLOCK - 1) // BLOCK  # W blocks one head can touch (at most)
+        # W blocks one tile can touch (at most; a 256-column tile: its two)
+        self.span = bn // BLOCK if self.wide and bn % BLOCK == 0 else (BLOCK - 8 + bn + BLOCK - 1) // BLOCK
         self.threads = 3 * 128
         self.producer_regs, self.consumer_regs = 24, 240
         self.a_dtype = self.b_dtype = cutlass.Float8E4M3FN if self.fp8 else cutlass.BFloat16
@@ -283,7 +291,7 @@ class RopeGemmSm90:
         T = mA.shape[0]
         num_m = (T + self.bm - 1) // self.bm
         num_m = (num_m + self.cluster_m - 1) // self.cluster_m * self.cluster_m  # whole clusters (extra tiles: past T)
-        sched = utils.PersistentTileSchedulerParams((num_m, self.H, 1), (self.cluster_m, 1, 1), self.swizzle,
+        sched = utils.PersistentTileSchedulerParams((num_m, self.n_tiles, 1), (self.cluster_m, 1, 1), self.swizzle,
                                                     self.raster_along_m)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.num_sms // self.cluster_m)
 
@@ -429,8 +437,6 @@ class RopeGemmSm90:
                 tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
                 work = tiles.initial_work_tile_info()
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                # pipelined: the stage to release next (one block behind `state` inside a tile, level with it between)
-                rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 # the next tile: its W scales are read from global memory while this one runs
                 ahead = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
                 ahead.advance_to_next_work()
@@ -463,7 +469,8 @@ class RopeGemmSm90:
                         self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
                     r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
                     r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
-                    col0 = n * self.D  # first column of the head in W / y
+                    col0 = n * self.bn  # first column of the tile in W / y
+                    tph = col0 % self.D  # the tile's phase against the heads (0: a tile of one head)
                     b0 = col0 // BLOCK
                     # A's scales of K block k + 1 are read (global memory, L2) while block k's WGMMAs run
                     nxt = cute.make_rmem_tensor((2,), cutlass.Float32)
@@ -472,13 +479,10 @@ class RopeGemmSm90:
                     nxt[1] = mSA[(0, r1)]
                     blocks = (ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c,
                               col0 - b0 * BLOCK)
-                    if cutlass.const_expr(self.pipelined):
-                        state, rel, tiled_mma = self._k_blocks_pipelined(state, rel, tiled_mma, blocks, tables)
-                    else:
-                        state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
-                        for k in cutlass.range(1, self.k_tiles, unroll=1):
-                            # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
-                            state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
+                    state, tiled_mma = self._k_block(state, tiled_mma, 0, blocks, tables)
+                    for k in cutlass.range(1, self.k_tiles, unroll=1):
+                        # (rebound here: the loop carries the ring's state and the MMA's accumulate flag)
+                        state, tiled_mma = self._k_block(state, tiled_mma, k, blocks)
                     self._store_sw(sw_next, sSW, 1 - buf, c, t128)  # the next tile's, read after the barriers below
 
                     # -------------------------------------------------------------------------------- epilogue
@@ -488,8 +492,11 @@ class RopeGemmSm90:
                         if ct % 128 == 0:  # the previous store from sY has read it
                             cute.arch.cp_async_bulk_wait_group(0, read=True)
                         store_bar.arrive_and_wait()
-                        self._mx_store(acc, sQh[(None, None, c)], sQb[(None, None, c)], tab, row_lo - ROWS_PER_WG * c,
-                                       q, mS, m * self.bm + row_lo, n, T)
+                        for i in cutlass.range_constexpr(len(self.tile_phases)):  # the tile's phase, compiled
+                            if tph == self.tile_phases[i]:
+                                self._mx_store(acc, sQh[(None, None, c)], sQb[(None, None, c)], tab,
+                                               row_lo - ROWS_PER_WG * c, q, mS, m * self.bm + row_lo, n, T,
+                                               ph=self.tile_phases[i])
                         cute.arch.fence_proxy("async.shared", space="cta")
                         store_bar.arrive_and_wait()
                         if ct % 128 == 0:
@@ -503,8 +510,10 @@ class RopeGemmSm90:
                                 if ct % 128 == 0:  # the previous store from sY has read it
                                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                             store_bar.arrive_and_wait()  # (and, for the second half, every thread has read the tables)
-                            self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c, q,
-                                             h * self.epi_w)
+                            for i in cutlass.range_constexpr(len(self.tile_phases)):  # the tile's phase, compiled
+                                if tph == self.tile_phases[i]:
+                                    self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c,
+                                                     q, h * self.epi_w, ph=self.tile_phases[i])
                             # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
                             cute.arch.fence_proxy("async.shared", space="cta")
                             store_bar.arrive_and_wait()
@@ -555,44 +564,6 @@ class RopeGemmSm90:
                 retire(part, self.parts - 1 - part)
         state.advance()
         return state, tiled_mma
-
-    def _issue(self, tiled_mma, dst, tCrA, tCrB, k_blocks, state):
-        """One sub-tile's WGMMAs of the K block at ring position `state` into dst (zeroed by the first), as one
-        group."""
-        warpgroup.fence()
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-        for kb in range(k_blocks):
-            cute.gemm(tiled_mma, dst, tCrA[(None, None, kb, state.index)], tCrB[(None, None, kb, state.index)], dst)
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    def _k_blocks_pipelined(self, state, rel, tiled_mma, blocks, tables):
-        """A tile's K blocks, software-pipelined (plain Python, unrolled: no WGMMA group crosses a loop's back edge).
-        Block k: its second half issued (its first is already queued), the scale bookkeeping, the wait for the first
-        half and its promotion (under the second half's WGMMAs); then block k + 1's first half issued, the wait for
-        block k's second half, its stage released (`rel`) and its promotion (under block k + 1's first half). Two
-        groups are in flight at every wait but the tile's last. Returns the advanced states and the MMA."""
-        ring, blk, tCrA, tCrB, k_blocks, acc, cur, nxt, mSA, sSW, r0, r1, buf, c, off = blocks
-        ring.consumer_wait(state)
-        self._issue(tiled_mma, blk[0], tCrA, tCrB[0], k_blocks, state)
-        for k in range(self.k_tiles):
-            self._issue(tiled_mma, blk[1], tCrA, tCrB[1], k_blocks, state)
-            state.advance()
-            if k == 0:
-                tables()
-            self._next_scales(cur, nxt, mSA, sSW, k, r0, r1, buf, c)
-            warpgroup.wait_group(1)
-            self._promote(acc, blk[0], cur, off, 0)
-            if k + 1 < self.k_tiles:
-                ring.consumer_wait(state)
-                self._issue(tiled_mma, blk[0], tCrA, tCrB[0], k_blocks, state)
-                warpgroup.wait_group(1)
-            else:
-                warpgroup.wait_group(0)
-            ring.consumer_release(rel)
-            rel.advance()
-            self._promote(acc, blk[1], cur, off, 1)
-        return state, rel, tiled_mma
 
     @cute.jit
     def _pingpong(self, tiled_mma: cute.TiledMma, ring, sA: cute.Tensor, sB: cute.Tensor, sYw: cute.Tensor,
@@ -737,7 +708,7 @@ class RopeGemmSm90:
     @cute.jit
     def _load_sw(self, dst: cute.Tensor, mSW: cute.Tensor, n: cutlass.Int32, t: cutlass.Int32):
         """dst = this thread's share of head n's W scales, element e = j·(K/128) + k: sw[b0 + j, k]."""
-        b0 = n * self.D // BLOCK
+        b0 = n * self.bn // BLOCK
         for u in cutlass.range_constexpr(self.sw_per_thread):
             e = t + 128 * u
             if e < self.n_sw:
@@ -820,7 +791,8 @@ class RopeGemmSm90:
 
     @cute.jit
     def _rope_store(self, acc: cute.Tensor, sW: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
-                    q: cutlass.Int32, lo: cutlass.Constexpr = 0, base: cutlass.Constexpr = 0):
+                    q: cutlass.Int32, lo: cutlass.Constexpr = 0, base: cutlass.Constexpr = 0,
+                    ph: cutlass.Constexpr = 0):
         """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, epi_w] tile (sW: as [64, epi_w / 2] words): the
         output columns [lo, lo + epi_w) of the head (a store's column group, 4 or 8 wide and aligned, lies on one side
         of the window's edges). Every store writes two adjacent output columns as one 32-bit word. Where the output
@@ -828,7 +800,8 @@ class RopeGemmSm90:
         group. deepseek moves a' and b' of pair i to columns P + i and P + R/2 + i; lane q holds pairs 4t + q of rope
         group t, packed as words (a', b'), and stores a' and b' of pairs 8u + 2q, 8u + 2q + 1: the words lanes 2q % 4
         and (2q + 1) % 4 of its quad hold for group 2u + (q >= 2) (four shuffles per u), at the word offsets of the
-        pass-through stores."""
+        pass-through stores. Columns are the tile's: ph is the tile's first column's place in its head (0 for a tile
+        of one head), so column group 8j lies 8j + ph - (a multiple of D) into a head that starts at tile column hs."""
         P, RH, n = self.P, self.RH, self.R // 8
         hi = lo + self.epi_w
 
@@ -845,13 +818,15 @@ class RopeGemmSm90:
         src_b = src_a + 1
         upper = q >= 2
         held = [None, None]  # per row r2: the even rope group's word (the loops below are unrolled)
-        for j in cutlass.range_constexpr(self.D // 8):
-            col = 8 * j  # + 2q + c2
+        for j in cutlass.range_constexpr(self.bn // 8):
+            tc = 8 * j  # the tile's column (+ 2q + c2)
+            col = (ph + tc) % self.D  # the head's
+            hs = tc - col  # the head's first column in the tile (negative: it began in the tile before)
             for r2 in cutlass.range_constexpr(2):
                 row = lrow + 8 * r2
                 i0 = base + 4 * j + 2 * r2  # (base: the m-block's first element in acc)
                 if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
-                    put2(row, col, acc[i0], acc[i0 + 1])
+                    put2(row, tc, acc[i0], acc[i0 + 1])
                 elif cutlass.const_expr(self.style != "neox"):  # pair (2i, 2i + 1) in this thread's two columns
                     t = (col - P) // 8
                     cs, sn = tab[r2 * n + t], tab[2 * n + r2 * n + t]
@@ -869,10 +844,10 @@ class RopeGemmSm90:
                                          cute.arch.shuffle_sync(w_even, src_a))
                             x1 = _select(upper, cute.arch.shuffle_sync(w_odd, src_b),
                                          cute.arch.shuffle_sync(w_even, src_b))
-                            put_word(row, P + 8 * u, _prmt(x0, x1, cutlass.Int32(0x5410)))
-                            put_word(row, P + RH + 8 * u, _prmt(x0, x1, cutlass.Int32(0x7632)))
+                            put_word(row, hs + P + 8 * u, _prmt(x0, x1, cutlass.Int32(0x5410)))
+                            put_word(row, hs + P + RH + 8 * u, _prmt(x0, x1, cutlass.Int32(0x7632)))
                     else:
-                        put2(row, col, ra, rb)
+                        put2(row, tc, ra, rb)
                 elif cutlass.const_expr(col < P + RH):  # neox: pair (i, i + R/2), partner R/16 column groups on
                     ras = []
                     rbs = []
@@ -883,8 +858,8 @@ class RopeGemmSm90:
                         b = acc[i0 + c2 + 4 * (RH // 8)]
                         ras.append(_mul_rn(a, cs) - _mul_rn(b, sn))
                         rbs.append(_mul_rn(b, cs) + _mul_rn(a, sn))
-                    put2(row, col, ras[0], ras[1])
-                    put2(row, col + RH, rbs[0], rbs[1])
+                    put2(row, tc, ras[0], ras[1])
+                    put2(row, tc + RH, rbs[0], rbs[1])
 
     # ------------------------------------------------------------------------------------------ MXFP8 query
 
@@ -913,23 +888,26 @@ class RopeGemmSm90:
     @cute.jit
     def _mx_store(self, acc: cute.Tensor, sQh: cute.Tensor, sQb: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
                   q: cutlass.Int32, mS: cute.Tensor, grow: cutlass.Int32, n: cutlass.Int32, T: cutlass.Int32,
-                  base: cutlass.Constexpr = 0):
+                  base: cutlass.Constexpr = 0, ph: cutlass.Constexpr = 0):
         """The rotated accumulator as MXFP8 rowwise (32-blocks along the head): codes into the warpgroup's [64, D]-byte
         tile (sQh: its 16-bit words, sQb: its bytes), E8M0 bytes to mS[grow (+8), n·D/32 + b] for rows < T. Per row
         every 32-column output block holds 8 of this thread's values (4 lanes of a quad hold the block), so its amax
         is the thread's, then the quad's (a transposed reduction: each lane forms the E8M0 bytes of 2 of the row's
-        blocks, not of all)."""
-        P, RH, nt, nblk = self.P, self.RH, self.R // 8, self.D // 32
+        blocks, not of all). Columns and blocks are the tile's (ph: as in `_rope_store`; the heads' 32-blocks are the
+        tile's, D being a multiple of 32)."""
+        P, RH, nt, nblk = self.P, self.RH, self.R // 8, self.bn // 32
         for r2 in cutlass.range_constexpr(2):
             row = lrow + 8 * r2
             # ("w", col, v0, v1): output columns col + 2q, col + 2q + 1; ("b", ca, cb, va, vb): deepseek's a' at ca + q
             # and b' at cb + q (one pair, two blocks)
             words = []
-            for j in cutlass.range_constexpr(self.D // 8):
-                col = 8 * j
+            for j in cutlass.range_constexpr(self.bn // 8):
+                tc = 8 * j  # the tile's column
+                col = (ph + tc) % self.D  # the head's
+                hs = tc - col  # the head's first column in the tile
                 i0 = base + 4 * j + 2 * r2  # (base: the m-block's first element in acc)
                 if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
-                    words.append(("w", col, acc[i0], acc[i0 + 1]))
+                    words.append(("w", tc, acc[i0], acc[i0 + 1]))
                 elif cutlass.const_expr(self.style != "neox"):
                     t = (col - P) // 8
                     a, b = acc[i0], acc[i0 + 1]
@@ -937,9 +915,9 @@ class RopeGemmSm90:
                     ra = _mul_rn(a, cs) - _mul_rn(b, sn)
                     rb = _mul_rn(b, cs) + _mul_rn(a, sn)
                     if cutlass.const_expr(self.style == "deepseek"):
-                        words.append(("b", P + 4 * t, P + RH + 4 * t, ra, rb))
+                        words.append(("b", hs + P + 4 * t, hs + P + RH + 4 * t, ra, rb))
                     else:
-                        words.append(("w", col, ra, rb))
+                        words.append(("w", tc, ra, rb))
                 elif cutlass.const_expr(col < P + RH):  # neox: pair (i, i + R/2)
                     ras = []
                     rbs = []
@@ -950,8 +928,8 @@ class RopeGemmSm90:
                         b = acc[i0 + c2 + 4 * (RH // 8)]
                         ras.append(_mul_rn(a, cs) - _mul_rn(b, sn))
                         rbs.append(_mul_rn(b, cs) + _mul_rn(a, sn))
-                    words.append(("w", col, ras[0], ras[1]))
-                    words.append(("w", col + RH, rbs[0], rbs[1]))
+                    words.append(("w", tc, ras[0], ras[1]))
+                    words.append(("w", tc + RH, rbs[0], rbs[1]))
             # every block's amax (the thread's 8 values, then the quad's)
             amax = [None] * nblk
             for i in cutlass.range_constexpr(len(words)):
