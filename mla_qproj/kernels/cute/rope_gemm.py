@@ -49,8 +49,9 @@ def wide_tiles(H: int, D: int, P: int, R: int, bn: int = WIDE_N) -> bool:
 
 
 def supported(cfg: QProjConfig) -> bool:
-    """Geometries the kernel covers: one head per [128, D] tile with D <= 192 (two fp32 tiles of 64 x D in 240
-    registers with fp8 operands; bf16 operands need one), 8-column groups that are all pass-through or all RoPE, R/2 %
+    """Geometries the kernel covers: D <= 192 (one head per [128, D] tile: two fp32 tiles of 64 x D in 240 registers
+    with fp8 operands, bf16 operands need one; fp8 operands take [128, 256] tiles across heads where `wide_tiles`
+    allows), 8-column groups that are all pass-through or all RoPE, R/2 %
     8 == 0 (the RoPE tables' rows in shared memory; neox pairs in one thread); a bf16 query or a rowwise MXFP8 one (a
     columnwise MXFP8 query stays on the Triton kernel)."""
     if not isinstance(cfg, QProjConfig):

@@ -7,28 +7,39 @@ A warp-specialized persistent kernel of three warpgroups per CTA:
 - a producer warp (warpgroup 0, its other warps idle with 24 registers) streams the E4M3 codes of A [T, K] (xn's
   1x128 blocks along K) and of W [N, K] (128x128 tiles, nn.Linear row order) into a ring of shared-memory stages with
   TMA, one 128-wide K block per stage;
-- two consumer warpgroups (240 registers each) share one [128, D] output tile, 64 rows each: per K block the four
-  FP8 WGMMAs (m64nDk32) accumulate the block's product in the tensor core, then it is promoted into the fp32
-  accumulator with the block's scales, acc = fma(block, sa[row] · sw[tile], acc) (DeepSeek-V3's recipe).
+- two consumer warpgroups (240 registers each) share one [128, BN] output tile, 64 rows each: per K block the
+  FP8 WGMMAs (k32) accumulate the block's product in the tensor core, then it is promoted into the fp32 accumulator
+  with the block's scales, acc = fma(block, sa[row] · sw[tile], acc) (DeepSeek-V3's recipe).
 
 Nothing in the main loop waits on global memory: while a block's WGMMAs run, the warpgroup reads the next block's two
 A scales (per thread, one block ahead) and takes W's scales from shared memory, where the consumers put the tile's
 (span x K/128 values) during the tile before; each warpgroup's 64 rows of cos and sin arrive in shared memory by TMA
 while its main loop runs (one mbarrier per warpgroup, one phase per tile).
 
-One output tile is one head: D = q_head_dim columns of W in their own order, so every RoPE pair of the head lies in
+Output tiles, fp8 operands: [128, 256] columns of the query across heads where every head's rope columns lie inside
+one tile (`rope_gemm.wide_tiles`: DeepSeek-V3 and its kin), else one head a tile ([128, D]). The wide tile moves 48 KB
+of operands into shared memory per K block for 128·256·128 multiply-adds, against 40 KB for 128·192·128 with head
+tiles: the operand traffic is what the GEMM's time follows (BENCHMARKS.md: 0.96x the head tiles' time at V3). Each
+warpgroup's 64 x 256 accumulator takes 128 registers, which leaves room for one 64-register block buffer: a K block's
+two m64n128 sub-tiles, one W scale block each, are computed and promoted in turn (two waits a block; the other
+warpgroup's WGMMAs fill the tensor cores meanwhile), 3 stages of 48 KB. The epilogue is compiled once per tile phase
+against the heads (the tile's first column's place in its head: 0, 64, 128 for D = 192) and knows, for each 8-column
+group, its head's column and where that head starts in the tile.
+
+With one head a tile: D = q_head_dim columns of W in their own order; in either form every RoPE pair of a head lies in
 the tile, and in one thread's registers (the WGMMA accumulator gives each thread columns 8j + 2q + {0, 1} of its rows
 for every j): deepseek and gptj pair adjacent columns (2i, 2i + 1); neox pairs i and i + R/2 (R/2 % 8 == 0). W's
 128x128 scale tiles are not aligned with heads: each 8-column group of the tile takes the scale of the W block it
 lies in (a head spans at most three blocks). The promotion is the main loop's ALU work: it is compiled once per head
 phase (the head's first column (n·D) % 128 into its W block: 0 and 64 for D = 192), where each group's W block is a
 constant and the sa·sw products are formed once per W block, so that a K block costs one FMA per accumulator element
-and a few multiplies (a run-time select per group instead made the kernel 30 % slower).
+and a few multiplies (a run-time select per group instead made the kernel 30 % slower). A 256-column tile covers
+exactly two W blocks (one phase).
 
 Epilogue, per consumer warpgroup: the rotation a' = a·c - b·s, b' = b·c + a·s on the fp32 accumulator (products
 rounded separately, as the reference computes them), one rounding to bf16, written to the warpgroup's own
 shared-memory tile at the output column as 32-bit words of two adjacent columns (deepseek moves a' to P + i and b' to
-P + R/2 + i: quad shuffles bring each lane the pairs of its words), then a TMA store, in two [64, D/2] halves through
+P + R/2 + i: quad shuffles bring each lane the pairs of its words), then a TMA store, in two [64, BN/2] halves through
 one buffer (the room the RoPE tables take). Rows past T are clipped by TMA. The warpgroups
 never wait for each other outside the K-block ring.
 
