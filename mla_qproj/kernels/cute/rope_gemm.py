@@ -51,9 +51,9 @@ def wide_tiles(H: int, D: int, P: int, R: int, bn: int = WIDE_N) -> bool:
 def supported(cfg: QProjConfig) -> bool:
     """Geometries the kernel covers: D <= 192 (one head per [128, D] tile: two fp32 tiles of 64 x D in 240 registers
     with fp8 operands, bf16 operands need one; fp8 operands take [128, 256] tiles across heads where `wide_tiles`
-    allows), 8-column groups that are all pass-through or all RoPE, R/2 %
-    8 == 0 (the RoPE tables' rows in shared memory; neox pairs in one thread); a bf16 query or a rowwise MXFP8 one (a
-    columnwise MXFP8 query stays on the Triton kernel)."""
+    allows), 8-column groups that are all pass-through or all RoPE, R/2 % 8 == 0 (the RoPE tables' rows in shared
+    memory; neox pairs in one thread); a bf16 query or a rowwise MXFP8 one (a columnwise MXFP8 query stays on the
+    Triton kernel)."""
     if not isinstance(cfg, QProjConfig):
         return False
     D, P, R = cfg.q_head_dim, cfg.qk_head_dim, cfg.rope_dim
@@ -181,8 +181,7 @@ def _kernel(cfg: QProjConfig, num_sms: int):
 def compile_kernel(cfg: QProjConfig, num_sms: int, options: str = "", **schedule):
     """Compile the kernel for cfg (T symbolic) with the CuTe DSL, for sm_90a; no GPU needed. Returns the compiled
     function (callable with torch tensors, on the current stream; `.export_to_c` writes an object file). schedule:
-    the kernel's schedule options (`RopeGemmSm90`: swizzle, raster_along_m, cluster_m, pipelined, ...), for tests and
-    probes."""
+    the kernel's tile-order options (`RopeGemmSm90`: swizzle, raster_along_m, cluster_m), for probes."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor

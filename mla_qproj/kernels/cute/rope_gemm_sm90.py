@@ -718,7 +718,7 @@ class RopeGemmSm90:
 
     @cute.jit
     def _load_sw(self, dst: cute.Tensor, mSW: cute.Tensor, n: cutlass.Int32, t: cutlass.Int32):
-        """dst = this thread's share of head n's W scales, element e = j·(K/128) + k: sw[b0 + j, k]."""
+        """dst = this thread's share of tile n's W scales, element e = j·(K/128) + k: sw[b0 + j, k]."""
         b0 = n * self.bn // BLOCK
         for u in cutlass.range_constexpr(self.sw_per_thread):
             e = t + 128 * u
@@ -805,7 +805,7 @@ class RopeGemmSm90:
                     q: cutlass.Int32, lo: cutlass.Constexpr = 0, base: cutlass.Constexpr = 0,
                     ph: cutlass.Constexpr = 0):
         """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, epi_w] tile (sW: as [64, epi_w / 2] words): the
-        output columns [lo, lo + epi_w) of the head (a store's column group, 4 or 8 wide and aligned, lies on one side
+        output columns [lo, lo + epi_w) of the tile (a store's column group, 4 or 8 wide and aligned, lies on one side
         of the window's edges). Every store writes two adjacent output columns as one 32-bit word. Where the output
         keeps the accumulator's columns (pass-through, gptj, neox) that is the thread's own pair (2q, 2q + 1) of a
         group. deepseek moves a' and b' of pair i to columns P + i and P + R/2 + i; lane q holds pairs 4t + q of rope
@@ -900,8 +900,8 @@ class RopeGemmSm90:
     def _mx_store(self, acc: cute.Tensor, sQh: cute.Tensor, sQb: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
                   q: cutlass.Int32, mS: cute.Tensor, grow: cutlass.Int32, n: cutlass.Int32, T: cutlass.Int32,
                   base: cutlass.Constexpr = 0, ph: cutlass.Constexpr = 0):
-        """The rotated accumulator as MXFP8 rowwise (32-blocks along the head): codes into the warpgroup's [64, D]-byte
-        tile (sQh: its 16-bit words, sQb: its bytes), E8M0 bytes to mS[grow (+8), n·D/32 + b] for rows < T. Per row
+        """The rotated accumulator as MXFP8 rowwise (32-blocks along the head): codes into the warpgroup's [64, BN]-byte
+        tile (sQh: its 16-bit words, sQb: its bytes), E8M0 bytes to mS[grow (+8), n·BN/32 + b] for rows < T. Per row
         every 32-column output block holds 8 of this thread's values (4 lanes of a quad hold the block), so its amax
         is the thread's, then the quad's (a transposed reduction: each lane forms the E8M0 bytes of 2 of the row's
         blocks, not of all). Columns and blocks are the tile's (ph: as in `_rope_store`; the heads' 32-blocks are the
