@@ -44,13 +44,12 @@ one buffer (the room the RoPE tables take). Rows past T are clipped by TMA. The 
 never wait for each other outside the K-block ring.
 
 bf16 operands (A [T, K], W [N, K], both bf16; the MXFP8 images are exact in bf16): 64-wide K tiles (128-byte rows),
-the WGMMAs (m64nNk16) accumulate straight into the fp32 accumulator (no promotion, no scales), one K tile's group kept
+the WGMMAs (m64nDk16) accumulate straight into the fp32 accumulator (no promotion, no scales), one K tile's group kept
 in flight while the next is issued (its stage released once the group after it is issued). With no block buffer to
-keep, a warpgroup can hold a whole tile, so the two consumer warpgroups run in ping-pong (`_pingpong`): each owns
-every other tile of the CTA, their main loops take turns on the tensor cores and each one's epilogue runs under the
-other's main loop (the epilogue then reads its RoPE table rows from L2 instead of staging them). A warpgroup's tile is
-[64, 256] across heads where `wide_tiles` allows (128 accumulator registers; one m64n256 WGMMA a k16 step, 40 KB of
-operands a K tile for 1 M multiply-adds), else [128, D] (D registers; two m64nD WGMMAs).
+keep, a warpgroup can hold a whole [128, D] tile (D registers a thread), so the two consumer warpgroups run in
+ping-pong (`_pingpong`): each owns every other tile of the CTA, their main loops take turns on the tensor cores and
+each one's epilogue runs under the other's main loop (the epilogue then reads its RoPE table rows from L2 instead of
+staging them).
 
 MXFP8 query (rowwise 32-blocks along each head's D, SPEC §1.5 and §2): after the rotation each thread holds, per row,
 8 values of every 32-column block of the output (pass-through and neox / gptj columns 8j + 2q + {0, 1}; deepseek's a'
@@ -168,9 +167,8 @@ BF16_BK = 64  # K tile of bf16 operands: 128-byte rows (the 128-byte swizzle)
 
 
 class RopeGemmSm90:
-    """q [T, H·D] = RoPE(A · Wᵀ) in tiles of 256 columns across heads where the heads allow (`wide_tiles`; col_tile=0:
-    never), else one head a tile; operands "fp8_block" (blockwise scaled E4M3 codes) or "bf16"; query "bf16" or
-    "mxfp8" (rowwise, `scale_mode` "rceil" or "floor")."""
+    """q [T, H·D] = RoPE(A · Wᵀ), one [128, D] tile per (128 tokens, head); operands "fp8_block" (blockwise scaled
+    E4M3 codes) or "bf16"; query "bf16" or "mxfp8" (rowwise, `scale_mode` "rceil" or "floor")."""
 
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
@@ -196,17 +194,10 @@ class RopeGemmSm90:
         self.num_sms = num_sms
         self.swizzle = swizzle
         self.raster_along_m = raster_along_m
-        # bf16 operands: ping-pong (each consumer warpgroup owns whole tiles, every other one of the CTA's, so that
-        # one's epilogue runs under the other's main loop); fp8: cooperative (both warpgroups on one tile, 64 rows
-        # each: the promotion's block buffer beside the accumulator leaves no room for a whole tile)
-        self.pingpong = not self.fp8
-        # col_tile columns of the output across heads where the heads allow (`wide_tiles`), else one head a tile;
-        # fp8: [128, col_tile] (cooperative), bf16: [64, col_tile] a warpgroup (ping-pong: a 128-register
-        # accumulator), else [128, D] (D registers)
-        self.wide = col_tile > 0 and wide_tiles(H, D, P, R, col_tile)
+        # fp8 operands: [128, col_tile] tiles of the output where the heads allow (`wide_tiles`), else one head a tile
+        self.wide = self.fp8 and col_tile > 0 and wide_tiles(H, D, P, R, col_tile)
         bn = col_tile if self.wide else D
-        bm = ROWS_PER_WG if self.pingpong and self.wide else 2 * ROWS_PER_WG
-        self.bm, self.bn, self.bk = bm, bn, BLOCK if self.fp8 else BF16_BK
+        self.bm, self.bn, self.bk = 2 * ROWS_PER_WG, bn, BLOCK if self.fp8 else BF16_BK
         self.n_tiles = self.N // bn
         # the tiles' phases against the heads (tile n starts (n·bn) % D columns into a head; one head a tile: 0), for
         # the epilogue, compiled once per phase (V3 in 256-column tiles: 0, 64, 128)
@@ -224,6 +215,11 @@ class RopeGemmSm90:
         # in turn through a buffer half the size, two waits. D <= 128: the whole head. bf16: the WGMMAs accumulate in
         # place; a partial last K tile is zero-filled by TMA
         self.k_tiles = -(-K // self.bk)
+        # bf16 operands: ping-pong (each consumer warpgroup owns whole [128, D] tiles, every other one of the CTA's, so
+        # that one's epilogue runs under the other's main loop: the accumulator is 128·D/128 = D registers a thread,
+        # which the fp8 promotion's block buffer beside it would not leave room for); fp8: cooperative (both
+        # warpgroups on one tile, 64 rows each)
+        self.pingpong = not self.fp8
         # 256-column tiles: a 128-register accumulator leaves room for one 64-register sub-tile buffer (two
         # m64n128 sub-tiles in turn, each W block's own: a K block costs two waits)
         halves = self.fp8 and bn > 128 and bn % 16 == 0
@@ -254,9 +250,8 @@ class RopeGemmSm90:
         a_stage_bytes = self.bm * self.bk * elem
         b_stage_bytes = self.bn * self.bk * elem
         # the epilogue's [64, epi_w] tiles: one per warpgroup (cooperative), two per warpgroup (ping-pong: a tile's
-        # pieces, 64 rows by epi_w columns each, alternate between them), one per warpgroup in ping-pong with
-        # [64, 256] tiles (four 40 KB stages fit beside 32 KB, not beside 64)
-        self.epi_slots = (2 if self.wide else 4) if self.pingpong else 2
+        # pieces, 64 rows by epi_w columns each, alternate between them)
+        self.epi_slots = 4 if self.pingpong else 2
         epi_bytes = self.epi_slots * ROWS_PER_WG * self.epi_w * 2
         # fp8: W's scales of one tile (span blocks x K blocks), staged in shared memory one tile ahead
         self.n_sw = self.span * self.k_tiles if self.fp8 else 1
@@ -586,15 +581,14 @@ class RopeGemmSm90:
                   sQh: cute.Tensor, sQb: cute.Tensor, tma_y: cute.CopyAtom, tYsY: cute.Tensor, tYgY: cute.Tensor,
                   mCos: cute.Tensor, mSin: cute.Tensor, mS: cute.Tensor, sched: utils.PersistentTileSchedulerParams,
                   order, c: cutlass.Int32, tidx: cutlass.Int32, T: cutlass.Int32):
-        """Consumer warpgroup c of the ping-pong schedule (bf16 operands): the CTA's tiles 2i + c, each tile whole
-        ([64, 256]: one m64n256 WGMMA per k16 step, a 128-register accumulator; [128, D]: two m64nD WGMMAs, D
-        registers). The ring hands out the stages in tile order, so the two warpgroups' main loops take turns and each
-        one's epilogue runs under the other's main loop. A warpgroup starts waiting on its tile's stages only once the
-        other has issued its last K tile (`order`: one mbarrier per warpgroup): the stage barriers' phases are told
-        apart by parity only, so a waiter may not run more than one phase ahead. The epilogue writes the tile in
-        [64, epi_w] pieces alternating between the warpgroup's shared-memory tiles (two, or one with [64, 256] tiles: a
-        piece waits for the store of the piece that many before it), with the RoPE tables' rows read from global memory
-        (L2)."""
+        """Consumer warpgroup c of the ping-pong schedule (bf16 operands): the CTA's tiles 2i + c, each [128, D] tile
+        whole (two m64 WGMMAs per K step, a D-register accumulator). The ring hands out the stages in tile order, so
+        the two warpgroups' main loops take turns and each one's epilogue runs under the other's main loop. A
+        warpgroup starts waiting on its tile's stages only once the other has issued its last K tile (`order`: one
+        mbarrier per warpgroup): the stage barriers' phases are told apart by parity only, so a waiter may not run more
+        than one phase ahead. The epilogue writes the tile in [64, epi_w] pieces alternating between the warpgroup's two
+        shared-memory tiles (a piece waits only for the store of the piece two before it), with the RoPE tables' rows
+        read from global memory (L2)."""
         wt = tidx % 128
         thr_mma = tiled_mma.get_slice(wt)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -634,29 +628,24 @@ class RopeGemmSm90:
             ring.consumer_release(rel)
             rel.advance()
             # ------------------------------------------------------------------------------------ epilogue
-            tph = (n * self.bn) % self.D  # the tile's phase against the heads (0: a tile of one head)
-            per = self.epi_slots // 2  # this warpgroup's epilogue tiles
-            for mm in cutlass.range_constexpr(self.bm // ROWS_PER_WG):
+            for mm in cutlass.range_constexpr(2):
                 g0 = m * self.bm + ROWS_PER_WG * mm + lrow  # global row of the thread's first row of this m-block
                 self._read_tables_global(tab, mCos, mSin, cutlass.min(g0, T - 1), cutlass.min(g0 + 8, T - 1), q)
                 for h in cutlass.range_constexpr(halves):
-                    slot = per * c + (mm * halves + h) % per
-                    if wt == 0:  # the store from this slot (`per` pieces back) has read it
-                        cute.arch.cp_async_bulk_wait_group(per - 1, read=True)
+                    slot = 2 * c + (mm * halves + h) % 2
+                    if wt == 0:  # the store from this slot (two pieces back) has read it
+                        cute.arch.cp_async_bulk_wait_group(1, read=True)
                     store_bar.arrive_and_wait()
-                    for i in cutlass.range_constexpr(len(self.tile_phases)):  # the tile's phase, compiled
-                        if tph == self.tile_phases[i]:
-                            if cutlass.const_expr(self.mx):
-                                self._mx_store(acc, sQh[(None, None, slot)], sQb[(None, None, slot)], tab, lrow, q,
-                                               mS, g0, n, T, base=(self.bn // 2) * mm, ph=self.tile_phases[i])
-                            else:
-                                self._rope_store(acc, sYw[(None, None, slot)], tab, lrow, q, h * self.epi_w,
-                                                 base=(self.bn // 2) * mm, ph=self.tile_phases[i])
+                    if cutlass.const_expr(self.mx):
+                        self._mx_store(acc, sQh[(None, None, slot)], sQb[(None, None, slot)], tab, lrow, q, mS, g0, n,
+                                       T, base=(self.D // 2) * mm)
+                    else:
+                        self._rope_store(acc, sYw[(None, None, slot)], tab, lrow, q, h * self.epi_w,
+                                         base=(self.D // 2) * mm)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     store_bar.arrive_and_wait()
                     if wt == 0:
-                        cute.copy(tma_y, tYsY[(None, slot)],
-                                  tYgY[(None, (self.bm // ROWS_PER_WG) * m + mm, halves * n + h)])
+                        cute.copy(tma_y, tYsY[(None, slot)], tYgY[(None, 2 * m + mm, halves * n + h)])
                         cute.arch.cp_async_bulk_commit_group()
             tiles.advance_to_next_work()
             work = tiles.get_current_work()
