@@ -139,6 +139,21 @@ def test_offline_compile_sass(geom, style, precision, query, tmp_path):
             assert ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in rep["sass"]) == (D == 192), D
 
 
+@pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
+def test_offline_compile_sass_ds_halves(precision, tmp_path):
+    """`ds_halves` (deepseek, bf16 query: a' and b' stored as 16-bit halves at their columns): no shuffles left in
+    the kernel, 16-bit shared-memory stores instead, no spills; the default keeps its quad shuffles."""
+    tools = _tools()
+    cfg = _cfg(V3, "deepseek", precision, "bf16")
+    reps = {}
+    for halves in (False, True):
+        fn = rope_gemm.compile_kernel(cfg, 132, options=f"--keep-cubin --dump-dir={tmp_path}", ds_halves=halves)
+        reps[halves] = tools.sass_report(fn.__cubin__)
+    assert re.search(r"\bSHFL\.", reps[False]["sass"]) and "STS.U16" not in reps[False]["sass"]
+    assert not re.search(r"\bSHFL\.", reps[True]["sass"]) and "STS.U16" in reps[True]["sass"]
+    assert reps[True]["LDL"] + reps[True]["STL"] == 0 and reps[True]["LOOP_LDL_STL"] == 0
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 
 

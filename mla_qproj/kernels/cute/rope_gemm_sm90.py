@@ -173,7 +173,7 @@ class RopeGemmSm90:
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
-                 split: bool = False, overlap: bool = True, col_tile: int = WIDE_N):
+                 split: bool = False, overlap: bool = True, col_tile: int = WIDE_N, ds_halves: bool = False):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -189,6 +189,10 @@ class RopeGemmSm90:
             raise ValueError(f"P must be a multiple of 8 and R of 16 (the tables' [64, R/2] rows in shared memory), "
                              f"got P={P} R={R}")
         self.K, self.H, self.D, self.P, self.R, self.style = K, H, D, P, R, style
+        # deepseek with a bf16 query: a' and b' of each pair stored as 16-bit halves at their own columns, with no
+        # quad shuffles (the default regroups them into 32-bit words first); off until the GPU has compared the two
+        # (tools/probe_ds.py: it prices the epilogue, which costs the fp8 kernel 3-8 %, BENCHMARKS.md)
+        self.ds_halves = ds_halves
         self.RH = R // 2
         self.N = H * D
         self.num_sms = num_sms
@@ -442,6 +446,8 @@ class RopeGemmSm90:
                 sY2 = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=self.y_dtype), y_smem.outer)
                 sY2w = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=cutlass.Int32),
                                         cute.recast_layout(32, 16, y_smem.outer))[(None, None, 0)]
+                sY2h = cute.make_tensor(cute.recast_ptr(room, y_smem.inner, dtype=cutlass.Int16),
+                                        y_smem.outer)[(None, None, 0)]
                 tYsY2, _ = cpasync.tma_partition(tma_y, 0, cute.make_layout(1), cute.group_modes(sY2, 0, 2),
                                                  cute.group_modes(gY, 0, 2))
 
@@ -523,8 +529,10 @@ class RopeGemmSm90:
                             store_bar.arrive_and_wait()  # (and, for the second half, every thread has read the tables)
                             for i in cutlass.range_constexpr(len(self.tile_phases)):  # the tile's phase, compiled
                                 if tph == self.tile_phases[i]:
-                                    self._rope_store(acc, sY2w if in_tables else sYc, tab, row_lo - ROWS_PER_WG * c,
-                                                     q, h * self.epi_w, ph=self.tile_phases[i])
+                                    self._rope_store(acc, sY2w if in_tables else sYc,
+                                                     sY2h if in_tables else sQh[(None, None, c)], tab,
+                                                     row_lo - ROWS_PER_WG * c, q, h * self.epi_w,
+                                                     ph=self.tile_phases[i])
                             # (also orders this warpgroup's reads of sTab before the next tile's TMA writes it)
                             cute.arch.fence_proxy("async.shared", space="cta")
                             store_bar.arrive_and_wait()
@@ -640,7 +648,8 @@ class RopeGemmSm90:
                         self._mx_store(acc, sQh[(None, None, slot)], sQb[(None, None, slot)], tab, lrow, q, mS, g0, n,
                                        T, base=(self.D // 2) * mm)
                     else:
-                        self._rope_store(acc, sYw[(None, None, slot)], tab, lrow, q, h * self.epi_w,
+                        self._rope_store(acc, sYw[(None, None, slot)], sQh[(None, None, slot)], tab, lrow, q,
+                                         h * self.epi_w,
                                          base=(self.D // 2) * mm)
                     cute.arch.fence_proxy("async.shared", space="cta")
                     store_bar.arrive_and_wait()
@@ -801,7 +810,7 @@ class RopeGemmSm90:
         return 4 * t + q
 
     @cute.jit
-    def _rope_store(self, acc: cute.Tensor, sW: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
+    def _rope_store(self, acc: cute.Tensor, sW: cute.Tensor, sH: cute.Tensor, tab: cute.Tensor, lrow: cutlass.Int32,
                     q: cutlass.Int32, lo: cutlass.Constexpr = 0, base: cutlass.Constexpr = 0,
                     ph: cutlass.Constexpr = 0):
         """RoPE on the fp32 accumulator, bf16 into the warpgroup's [64, epi_w] tile (sW: as [64, epi_w / 2] words): the
@@ -809,10 +818,12 @@ class RopeGemmSm90:
         of the window's edges). Every store writes two adjacent output columns as one 32-bit word. Where the output
         keeps the accumulator's columns (pass-through, gptj, neox) that is the thread's own pair (2q, 2q + 1) of a
         group. deepseek moves a' and b' of pair i to columns P + i and P + R/2 + i; lane q holds pairs 4t + q of rope
-        group t, packed as words (a', b'), and stores a' and b' of pairs 8u + 2q, 8u + 2q + 1: the words lanes 2q % 4
-        and (2q + 1) % 4 of its quad hold for group 2u + (q >= 2) (four shuffles per u), at the word offsets of the
-        pass-through stores. Columns are the tile's: ph is the tile's first column's place in its head (0 for a tile
-        of one head), so column group 8j lies 8j + ph - (a multiple of D) into a head that starts at tile column hs."""
+        group t: `ds_halves`, it stores a' and b' as 16-bit halves (sH: the tile as [64, epi_w] halves) at their
+        columns; else it packs them as words (a', b') and stores a' and b' of pairs 8u + 2q, 8u + 2q + 1: the words
+        lanes 2q % 4 and (2q + 1) % 4 of its quad hold for group 2u + (q >= 2) (four shuffles per u), at the word
+        offsets of the pass-through stores. Columns are the tile's: ph is the tile's first column's place in its head
+        (0 for a tile of one head), so column group 8j lies 8j + ph - (a multiple of D) into a head that starts at tile
+        column hs."""
         P, RH, n = self.P, self.RH, self.R // 8
         hi = lo + self.epi_w
 
@@ -823,6 +834,10 @@ class RopeGemmSm90:
         def put_word(row, base: int, v):
             if cutlass.const_expr(lo <= base < hi):
                 sW[(row, (base - lo) // 2 + q)] = v
+
+        def put_half(row, base: int, v):  # output column base + q (base a multiple of 4)
+            if cutlass.const_expr(lo <= base < hi):
+                sH[(row, base - lo + q)] = v
 
         lane = cute.arch.lane_idx()
         src_a = (lane // 4) * 4 + (2 * q) % 4
@@ -844,7 +859,11 @@ class RopeGemmSm90:
                     a, b = acc[i0], acc[i0 + 1]
                     ra = _mul_rn(a, cs) - _mul_rn(b, sn)
                     rb = _mul_rn(b, cs) + _mul_rn(a, sn)
-                    if cutlass.const_expr(self.style == "deepseek"):
+                    if cutlass.const_expr(self.style == "deepseek" and self.ds_halves):
+                        w = _bf16x2(ra, rb)  # pair 4t + q: a' to column P + 4t + q, b' to P + R/2 + 4t + q
+                        put_half(row, hs + P + 4 * t, cutlass.Int16(w))
+                        put_half(row, hs + P + RH + 4 * t, cutlass.Int16(w >> 16))
+                    elif cutlass.const_expr(self.style == "deepseek"):
                         if cutlass.const_expr(t % 2 == 0):
                             held[r2] = _bf16x2(ra, rb)  # group 2u's word, for the step of group 2u + 1
                         else:
