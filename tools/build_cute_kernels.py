@@ -141,9 +141,9 @@ def rms_sass_report(cubin: bytes, threads: int = 256) -> dict:
     return {"REG": reg, "STACK": int(m.group(2)), "CTAS_PER_SM_BY_REG": ctas, **counts, "sass": sass}
 
 
-def compile_one(cfg: QProjConfig, num_sms: int, dump_dir: str):
-    """(compiled function, cubin bytes)."""
-    fn = rope_gemm.compile_kernel(cfg, num_sms, options=f"--keep-cubin --dump-dir={dump_dir}")
+def compile_one(cfg: QProjConfig, num_sms: int, dump_dir: str, **options):
+    """(compiled function, cubin bytes); options: `RopeGemmSm90`'s (the defaults where not given)."""
+    fn = rope_gemm.compile_kernel(cfg, num_sms, options=f"--keep-cubin --dump-dir={dump_dir}", **options)
     cubin = fn.__cubin__
     if not isinstance(cubin, bytes):
         raise RuntimeError("the compile kept no cubin")

@@ -22,7 +22,7 @@ VARIANTS = {"shfl": {"ds_halves": False}, "halves": {"ds_halves": True}}
 
 
 def build(out: Path):
-    from build_cute_kernels import export, sass_report
+    from build_cute_kernels import compile_one, export, sass_report
 
     from mla_qproj._config import QProjConfig
     from mla_qproj.kernels.cute import rope_gemm
@@ -31,8 +31,8 @@ def build(out: Path):
     cfg = QProjConfig(K, H, P, R, D, rope_style="deepseek", precision="fp8_block")
     for name, opts in VARIANTS.items():
         with tempfile.TemporaryDirectory() as d:
-            fn = rope_gemm.compile_kernel(cfg, 132, options=f"--keep-cubin --dump-dir={d}", **opts)
-            r = sass_report(fn.__cubin__)
+            fn, cubin = compile_one(cfg, 132, d, **opts)
+            r = sass_report(cubin)
             print(name, len(r.pop("sass").splitlines()), "SASS lines", r, flush=True)
             export(fn, out, name)
     (out / rope_gemm.RUNTIME_LIB).unlink(missing_ok=True)  # (the kernels folder has it)

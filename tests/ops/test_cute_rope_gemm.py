@@ -118,6 +118,8 @@ def test_offline_compile_sass(geom, style, precision, query, tmp_path):
     assert rep["STACK"] <= 32 and rep["LDL"] + rep["STL"] <= 8, {k: rep[k] for k in ("LDL", "STL", "STACK")}
     mx = query == "mxfp8"
     assert ("SATFINITE.E4M3" in rep["sass"]) == mx and ("STG.E.U8" in rep["sass"]) == mx
+    if style == "deepseek" and not mx:  # the default regroups a' / b' by quad shuffles (`ds_halves`: below)
+        assert re.search(r"\bSHFL\.", rep["sass"]) and "STS.U16" not in rep["sass"]
     K, H, P, R, D = geom
     if not fp8:
         # ping-pong, a warpgroup's whole [128, D] head tile in m64nD WGMMAs accumulating in place, one group kept in
@@ -142,16 +144,12 @@ def test_offline_compile_sass(geom, style, precision, query, tmp_path):
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_offline_compile_sass_ds_halves(precision, tmp_path):
     """`ds_halves` (deepseek, bf16 query: a' and b' stored as 16-bit halves at their columns): no shuffles left in
-    the kernel, 16-bit shared-memory stores instead, no spills; the default keeps its quad shuffles."""
+    the kernel, 16-bit shared-memory stores instead, no spills (the default's shuffles: `test_offline_compile_sass`)."""
     tools = _tools()
-    cfg = _cfg(V3, "deepseek", precision, "bf16")
-    reps = {}
-    for halves in (False, True):
-        fn = rope_gemm.compile_kernel(cfg, 132, options=f"--keep-cubin --dump-dir={tmp_path}", ds_halves=halves)
-        reps[halves] = tools.sass_report(fn.__cubin__)
-    assert re.search(r"\bSHFL\.", reps[False]["sass"]) and "STS.U16" not in reps[False]["sass"]
-    assert not re.search(r"\bSHFL\.", reps[True]["sass"]) and "STS.U16" in reps[True]["sass"]
-    assert reps[True]["LDL"] + reps[True]["STL"] == 0 and reps[True]["LOOP_LDL_STL"] == 0
+    _, cubin = tools.compile_one(_cfg(V3, "deepseek", precision, "bf16"), 132, str(tmp_path), ds_halves=True)
+    rep = tools.sass_report(cubin)
+    assert not re.search(r"\bSHFL\.", rep["sass"]) and "STS.U16" in rep["sass"]
+    assert rep["LDL"] + rep["STL"] == 0 and rep["LOOP_LDL_STL"] == 0
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU
