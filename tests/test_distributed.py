@@ -9,14 +9,12 @@ Each world size is one spawn of processes running every case (process start-up d
 from __future__ import annotations
 
 import os
-import socket
-import traceback
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import free_port, spawn_ranks
 
 from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
 from mla_qproj import backend as _backend
@@ -43,12 +41,6 @@ CASES += [("mxfp8", "mxfp8", True, True, "auto", False, "deepseek"),
 CASES += [("fp8_block", "bf16", False, True, "auto", False, "deepseek", "cpu", None),
           ("mxfp8", "mxfp8", True, True, "torch", False, "deepseek", "cpu", None),
           ("bf16", "bf16", False, False, "torch", False, "neox", "cpu", None)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _q_fields(q):
@@ -166,7 +158,7 @@ def _check_from_modules_and_compile(rank: int, world: int) -> None:
         assert_bytes_equal(a, b, f"compiled vs eager {label}")
 
 
-def _worker(rank: int, world: int, port: int, cases: list, errdir: str, backend: str = "gloo") -> None:
+def _worker(rank: int, world: int, port: int, cases: list, backend: str = "gloo") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -179,21 +171,13 @@ def _worker(rank: int, world: int, port: int, cases: list, errdir: str, backend:
             _check_norm_weight_sequence_parallel_attribute(rank, world)
             _check_from_modules_and_compile(rank, world)
         dist.barrier()  # every rank done before any tears the group down (gloo aborts a peer still sending)
-    except Exception:
-        with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: minutes on 2 cores
 def test_tensor_and_sequence_parallel_match_tp1(world, tmp_path):
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), CASES, str(tmp_path)), nprocs=world, join=True)
-    except mp.ProcessRaisedException:
-        errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"a rank failed:\n{errs}")
+    spawn_ranks(_worker, world, tmp_path, world, free_port(), CASES)
 
 
 @pytest.mark.gpu
@@ -202,11 +186,7 @@ def test_nccl_path_world_size_one(tmp_path):
     allows: sequence parallelism over one rank must give the tp = 1 bytes."""
     cases = [(p, o, o == "mxfp8" and p != "bf16", True, "auto", o == "mxfp8", "deepseek", "cuda")
              for p in ("bf16", "mxfp8", "fp8_block") for o in ("bf16", "mxfp8")]
-    try:
-        mp.spawn(_worker, args=(1, _free_port(), cases, str(tmp_path), "nccl"), nprocs=1, join=True)
-    except mp.ProcessRaisedException:
-        errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"the rank failed:\n{errs}")
+    spawn_ranks(_worker, 1, tmp_path, 1, free_port(), cases, "nccl")
 
 
 def _fake_ring(wires: list, rank: int):

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _spawn import spawn_ranks
 
 from mla_qproj import FusedMLAQUpProjection, MXFP8Tensor
 
@@ -98,7 +98,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_fully_shard_trains_like_one_process(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, tmp_path, str(tmp_path / "store"), str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for precision, output_format in CASES:
         m = _model(precision, output_format)

@@ -26,18 +26,16 @@ Megatron's own norms tag it.
 from __future__ import annotations
 
 import os
-import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'mla_qproj[integrations]')")
 
 from _roundings import Round, RoundBoth, RoundGrad  # noqa: E402
-from test_distributed import _free_port  # noqa: E402
+from _spawn import free_port, spawn_ranks  # noqa: E402
 
 from _helpers import sgd_side_by_side  # noqa: E402
 from _tolerances import (  # noqa: E402
@@ -287,7 +285,7 @@ def _check_fallback(tag: str) -> None:
 # -------------------------------------------------------------------------------------------------- the spawn
 
 
-def _worker(rank: int, world: int, port: int, errdir: str) -> None:
+def _worker(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -311,21 +309,13 @@ def _worker(rank: int, world: int, port: int, errdir: str) -> None:
         for precision in ("fp8_block", "mxfp8"):
             _check_training(world, world > 1, precision, f"[tp={world} rank={rank} sp={world > 1} {precision}]")
         dist.barrier()
-    except Exception:
-        with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_megatron_mla_matches_stock(world, tmp_path):
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    except mp.ProcessRaisedException:
-        errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"a rank failed:\n{errs}")
+    spawn_ranks(_worker, world, tmp_path, world, free_port())
 
 
 def test_spec_helper_errors():

@@ -329,9 +329,8 @@ def _tp_check_fallback(dims, tag: str) -> None:
     assert fused_query_layer(attn) is None and fused_query_layer(_attns(model)[1]) is not None, tag
 
 
-def _tp_worker(rank: int, world: int, port: int, errdir: str) -> None:
+def _tp_worker(rank: int, world: int, port: int) -> None:
     import os
-    import traceback
     import warnings
 
     import torch.distributed as dist
@@ -354,21 +353,12 @@ def _tp_worker(rank: int, world: int, port: int, errdir: str) -> None:
             _tp_check_training(dims, f"[tp={world} rank={rank}]")
         _tp_check_fallback(dims, f"[tp={world} rank={rank}]")
         dist.barrier()
-    except Exception:
-        with open(os.path.join(errdir, f"rank{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
     finally:
         dist.destroy_process_group()
 
 
 def test_tensor_parallel_matches_torchtitan(tmp_path):
     """TP = 2 on gloo (TorchTitan's own `parallelize` with spmd_backend="partial_dtensor"): module doc."""
-    import torch.multiprocessing as mp
-    from test_distributed import _free_port
+    from _spawn import free_port, spawn_ranks
 
-    try:
-        mp.spawn(_tp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    except mp.ProcessRaisedException:
-        errs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("rank*.txt")))
-        pytest.fail(f"a rank failed:\n{errs}")
+    spawn_ranks(_tp_worker, 2, tmp_path, 2, free_port())
