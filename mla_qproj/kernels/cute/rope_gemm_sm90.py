@@ -78,6 +78,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 
 from ..._constants import FP8_BLOCK
 from .rope_gemm import WIDE_N, wide_tiles
@@ -277,15 +278,15 @@ class RopeGemmSm90:
         mSW [ceil(N/128), K/128] f32 scale_inv (bf16 operands: placeholders, not read); mCos / mSin [T, R/2] f32;
         written: mY [T, N] bf16, or the MXFP8 codes seen as bf16 [T, N/2] with mS [T, N/32] uint8 their E8M0 bytes
         (a bf16 query: mS a placeholder)."""
-        a_layout = utils.LayoutEnum.ROW_MAJOR  # K-major
-        b_layout = utils.LayoutEnum.ROW_MAJOR
+        a_layout = LayoutEnum.ROW_MAJOR  # K-major
+        b_layout = LayoutEnum.ROW_MAJOR
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
             cutlass.Float32, (1, 1, 1) if self.pingpong else (2, 1, 1), tiler_mn=(ROWS_PER_WG, self.sub))
         tile_mnk = (self.bm, self.bn, self.bk)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.b_dtype, self.stages)
-        y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.epi_w),
+        y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.epi_w),
                                                  self.epi_slots)
 
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
@@ -296,7 +297,7 @@ class RopeGemmSm90:
         tma_y, tY = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mY,
                                                 cute.slice_(y_smem, (None, None, 0)), (ROWS_PER_WG, self.epi_w))
         # the RoPE tables' rows of a warpgroup: [64, R/2] fp32 boxes, stages (cos, sin) of warpgroup 0, then 1
-        tab_smem = sm90_utils.make_smem_layout_epi(cutlass.Float32, utils.LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.RH),
+        tab_smem = sm90_utils.make_smem_layout_epi(cutlass.Float32, LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.RH),
                                                    4)
         tma_cos, tCos = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mCos,
                                                     cute.slice_(tab_smem, (None, None, 0)), (ROWS_PER_WG, self.RH))
@@ -346,7 +347,7 @@ class RopeGemmSm90:
                 cpasync.prefetch_descriptor(tma_cos)
                 cpasync.prefetch_descriptor(tma_sin)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(self.storage)
         a_stage = cute.slice_(a_smem, (None, None, 0))
         b_stage = cute.slice_(b_smem, (None, None, 0))
@@ -391,7 +392,7 @@ class RopeGemmSm90:
                                            cute.group_modes(gY, 0, 2))
 
         if wg == 0:
-            cute.arch.warpgroup_reg_dealloc(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:  # ------------------------------------------------------------------ producer
                 tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(),
                                                                    cute.arch.grid_dim())
@@ -411,7 +412,7 @@ class RopeGemmSm90:
                     work = tiles.get_current_work()
                 ring.producer_tail(state)
         else:  # ------------------------------------------------------------------------------- consumers
-            cute.arch.warpgroup_reg_alloc(self.consumer_regs)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             c = wg - 1  # consumer index: rows [64c, 64c + 64) of the tile (ping-pong: every other tile)
             ct = tidx - 128  # thread index among the consumers
             if cutlass.const_expr(self.pingpong):
