@@ -162,6 +162,56 @@ def _select(c, a: cutlass.Int32, b: cutlass.Int32, *, loc=None, ip=None) -> cutl
     return cutlass.Int32(cutlass.select_(c, a, b))
 
 
+@dsl_user_op
+def _st_shared(addr: cutlass.Int32, v, bits: int, imm: int, *, loc=None, ip=None):
+    """st.shared.b{bits} [addr + imm], v (v: a 32-bit value, or a 16-bit one whose low byte an 8-bit store writes)."""
+    ty, reg = (I32, "r") if bits == 32 else (cutlass.Int16, "h")
+    llvm.inline_asm(None, [I32(addr).ir_value(loc=loc, ip=ip), ty(v).ir_value(loc=loc, ip=ip)],
+                    f"st.shared.b{bits} [$0+{imm}], $1;", f"r,{reg},~{{memory}}", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+class _TileStores:
+    """One thread's stores into a warpgroup's swizzled [64, W] shared-memory tile at addresses formed once per
+    thread (`swz_stores`). The tile's swizzle S<B, 4, 3> flips address bits [4, 4 + B) by bits [7, 7 + B) of the
+    byte address; every store of a thread goes to row lrow or lrow + 8 and to an element column cc + q (q = lane % 4,
+    cc a compile-time constant). Where the layout allows (checked at trace time, per store; else the tensor's own
+    store), the swizzled address is (base ^ k) + rest: base = swizzle(tile + row part + q part) once per thread, k
+    the column offset's bits in [4, 4 + B) and rest its other bits plus the second row's constant offset, so that a
+    store costs no address arithmetic beyond one XOR with a constant (none where k = 0). Conditions: the tile
+    starts at a multiple of 2^(7 + B) bytes (the epilogue's buffers are 1024-aligned); the row parts have no bits in
+    [4, 4 + B); rows lrow and lrow + 8 lie a constant multiple of 2^(7 + B) bytes apart; a column offset has no bits
+    in [7, 7 + B) and its bits below 4 leave room for the q part within its 16-byte chunk, whose elements are
+    contiguous."""
+
+    def __init__(self, t: cute.Tensor, swizzle: str, eb: int, lrow, q):
+        self.t, self.eb, self.L = t, eb, t.layout
+        b, m, sh = (int(x) for x in swizzle.strip("S<>").split(","))
+        self.ok = m == 4 and sh == 3
+        self.mask = ((1 << b) - 1) << 4
+        self.low = (1 << (7 + b)) - 1  # the bits the swizzle reads or writes
+        rows = [eb * cute.crd2idx((r, 0), self.L) for r in range(ROWS_PER_WG)]
+        self.d8 = rows[8] - rows[0]
+        self.ok = (self.ok and all(r & self.mask == 0 for r in rows) and self.d8 & self.low == 0
+                   and all(rows[r + 8] - rows[r] == self.d8 for r in range(ROWS_PER_WG - 8)))
+        if self.ok:
+            u0 = t.iterator.toint() + cute.crd2idx((lrow, 0), self.L) * eb + q * eb
+            self.base = u0 ^ (((u0 >> 7) & ((1 << b) - 1)) << 4)
+        self.lrow, self.q = lrow, q
+
+    def put(self, r2: int, cc: int, v):
+        """t[lrow + 8·r2, cc + q] = v."""
+        eb = self.eb
+        cb = eb * cute.crd2idx((0, cc), self.L)
+        fits = (self.ok and cb & (self.low & ~self.mask) & ~0xF == 0 and (cb & 0xF) + 4 * eb <= 16
+                and all(eb * cute.crd2idx((0, cc + x), self.L) == cb + eb * x for x in range(4)))
+        if fits:
+            k = cb & self.mask
+            _st_shared(self.base ^ k if k else self.base, v, 8 * eb, (cb & ~self.mask) + r2 * self.d8)
+        else:
+            self.t[(self.lrow + 8 * r2, cc + self.q)] = v
+
+
 OPERANDS = ("fp8_block", "bf16")  # E4M3 codes with block scales, or bf16 (the MXFP8 images, or bf16 itself)
 OUTPUTS = ("bf16", "mxfp8")  # the query: bf16, or MXFP8 rowwise (codes + E8M0 bytes)
 BF16_BK = 64  # K tile of bf16 operands: 128-byte rows (the 128-byte swizzle)
@@ -174,7 +224,8 @@ class RopeGemmSm90:
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
-                 split: bool = False, overlap: bool = True, col_tile: int = WIDE_N, ds_halves: bool = False):
+                 split: bool = False, overlap: bool = True, col_tile: int = WIDE_N, ds_halves: bool = False,
+                 swz_stores: bool = False):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -194,6 +245,10 @@ class RopeGemmSm90:
         # quad shuffles (the default regroups them into 32-bit words first); off until the GPU has compared the two
         # (tools/probe_ds.py: it prices the epilogue, which costs the fp8 kernel 3-8 %, BENCHMARKS.md)
         self.ds_halves = ds_halves
+        # the epilogue's shared-memory stores at addresses formed once per thread (`_TileStores`; the default forms
+        # each store's swizzled address anew, about three integer instructions a store); off until the GPU has
+        # compared the two (tools/probe_ds.py)
+        self.swz_stores = swz_stores
         self.RH = R // 2
         self.N = H * D
         self.num_sms = num_sms
@@ -288,6 +343,7 @@ class RopeGemmSm90:
         b_smem = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.b_dtype, self.stages)
         y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.epi_w),
                                                  self.epi_slots)
+        self.y_swizzle = str(y_smem.inner)  # (for `_TileStores`)
 
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(a_smem, (None, None, 0)), (self.bm, self.bk))
@@ -828,17 +884,26 @@ class RopeGemmSm90:
         P, RH, n = self.P, self.RH, self.R // 8
         hi = lo + self.epi_w
 
-        def put2(row, base: int, v0, v1):  # output columns base + 2q, base + 2q + 1 (base a multiple of 8)
-            if cutlass.const_expr(lo <= base < hi):
-                sW[(row, (base - lo) // 2 + q)] = _bf16x2(v0, v1)
+        fw = _TileStores(sW, self.y_swizzle, 4, lrow, q) if self.swz_stores else None
+        fh = _TileStores(sH, self.y_swizzle, 2, lrow, q) if self.swz_stores and self.ds_halves else None
 
-        def put_word(row, base: int, v):
+        def put_word(r2: int, base: int, v):  # output columns base + 2q, base + 2q + 1 (base a multiple of 8)
             if cutlass.const_expr(lo <= base < hi):
-                sW[(row, (base - lo) // 2 + q)] = v
+                if cutlass.const_expr(fw is not None):
+                    fw.put(r2, (base - lo) // 2, v)
+                else:
+                    sW[(lrow + 8 * r2, (base - lo) // 2 + q)] = v
 
-        def put_half(row, base: int, v):  # output column base + q (base a multiple of 4)
+        def put2(r2: int, base: int, v0, v1):
             if cutlass.const_expr(lo <= base < hi):
-                sH[(row, base - lo + q)] = v
+                put_word(r2, base, _bf16x2(v0, v1))
+
+        def put_half(r2: int, base: int, v):  # output column base + q (base a multiple of 4)
+            if cutlass.const_expr(lo <= base < hi):
+                if cutlass.const_expr(fh is not None):
+                    fh.put(r2, base - lo, v)
+                else:
+                    sH[(lrow + 8 * r2, base - lo + q)] = v
 
         lane = cute.arch.lane_idx()
         src_a = (lane // 4) * 4 + (2 * q) % 4
@@ -850,10 +915,9 @@ class RopeGemmSm90:
             col = (ph + tc) % self.D  # the head's
             hs = tc - col  # the head's first column in the tile (negative: it began in the tile before)
             for r2 in cutlass.range_constexpr(2):
-                row = lrow + 8 * r2
                 i0 = base + 4 * j + 2 * r2  # (base: the m-block's first element in acc)
                 if cutlass.const_expr(col < P or col >= P + self.R):  # pass-through
-                    put2(row, tc, acc[i0], acc[i0 + 1])
+                    put2(r2, tc, acc[i0], acc[i0 + 1])
                 elif cutlass.const_expr(self.style != "neox"):  # pair (2i, 2i + 1) in this thread's two columns
                     t = (col - P) // 8
                     cs, sn = tab[r2 * n + t], tab[2 * n + r2 * n + t]
@@ -862,8 +926,8 @@ class RopeGemmSm90:
                     rb = _mul_rn(b, cs) + _mul_rn(a, sn)
                     if cutlass.const_expr(self.style == "deepseek" and self.ds_halves):
                         w = _bf16x2(ra, rb)  # pair 4t + q: a' to column P + 4t + q, b' to P + R/2 + 4t + q
-                        put_half(row, hs + P + 4 * t, cutlass.Int16(w))
-                        put_half(row, hs + P + RH + 4 * t, cutlass.Int16(w >> 16))
+                        put_half(r2, hs + P + 4 * t, cutlass.Int16(w))
+                        put_half(r2, hs + P + RH + 4 * t, cutlass.Int16(w >> 16))
                     elif cutlass.const_expr(self.style == "deepseek"):
                         if cutlass.const_expr(t % 2 == 0):
                             held[r2] = _bf16x2(ra, rb)  # group 2u's word, for the step of group 2u + 1
@@ -875,10 +939,10 @@ class RopeGemmSm90:
                                          cute.arch.shuffle_sync(w_even, src_a))
                             x1 = _select(upper, cute.arch.shuffle_sync(w_odd, src_b),
                                          cute.arch.shuffle_sync(w_even, src_b))
-                            put_word(row, hs + P + 8 * u, _prmt(x0, x1, cutlass.Int32(0x5410)))
-                            put_word(row, hs + P + RH + 8 * u, _prmt(x0, x1, cutlass.Int32(0x7632)))
+                            put_word(r2, hs + P + 8 * u, _prmt(x0, x1, cutlass.Int32(0x5410)))
+                            put_word(r2, hs + P + RH + 8 * u, _prmt(x0, x1, cutlass.Int32(0x7632)))
                     else:
-                        put2(row, tc, ra, rb)
+                        put2(r2, tc, ra, rb)
                 elif cutlass.const_expr(col < P + RH):  # neox: pair (i, i + R/2), partner R/16 column groups on
                     ras = []
                     rbs = []
@@ -889,8 +953,8 @@ class RopeGemmSm90:
                         b = acc[i0 + c2 + 4 * (RH // 8)]
                         ras.append(_mul_rn(a, cs) - _mul_rn(b, sn))
                         rbs.append(_mul_rn(b, cs) + _mul_rn(a, sn))
-                    put2(row, tc, ras[0], ras[1])
-                    put2(row, tc + RH, rbs[0], rbs[1])
+                    put2(r2, tc, ras[0], ras[1])
+                    put2(r2, tc + RH, rbs[0], rbs[1])
 
     # ------------------------------------------------------------------------------------------ MXFP8 query
 
@@ -927,6 +991,8 @@ class RopeGemmSm90:
         blocks, not of all). Columns and blocks are the tile's (ph: as in `_rope_store`; the heads' 32-blocks are the
         tile's, D being a multiple of 32)."""
         P, RH, nt, nblk = self.P, self.RH, self.R // 8, self.bn // 32
+        fh = _TileStores(sQh, self.y_swizzle, 2, lrow, q) if self.swz_stores else None
+        fb = _TileStores(sQb, self.y_swizzle, 1, lrow, q) if self.swz_stores else None
         for r2 in cutlass.range_constexpr(2):
             row = lrow + 8 * r2
             # ("w", col, v0, v1): output columns col + 2q, col + 2q + 1; ("b", ca, cb, va, vb): deepseek's a' at ca + q
@@ -995,8 +1061,16 @@ class RopeGemmSm90:
                 w = words[i]
                 if cutlass.const_expr(w[0] == "w"):
                     r = rs[w[1] // 32]
-                    sQh[(row, w[1] // 2 + q)] = _e4m3x2(_mul_rn(w[2], r), _mul_rn(w[3], r))
+                    code = _e4m3x2(_mul_rn(w[2], r), _mul_rn(w[3], r))
+                    if cutlass.const_expr(fh is not None):
+                        fh.put(r2, w[1] // 2, code)
+                    else:
+                        sQh[(row, w[1] // 2 + q)] = code
                 else:
                     code = _e4m3x2(_mul_rn(w[3], rs[w[1] // 32]), _mul_rn(w[4], rs[w[2] // 32]))
-                    sQb[(row, w[1] + q)] = cutlass.Uint8(code)
-                    sQb[(row, w[2] + q)] = cutlass.Uint8(code >> 8)
+                    if cutlass.const_expr(fb is not None):
+                        fb.put(r2, w[1], code)
+                        fb.put(r2, w[2], code >> 8)
+                    else:
+                        sQb[(row, w[1] + q)] = cutlass.Uint8(code)
+                        sQb[(row, w[2] + q)] = cutlass.Uint8(code >> 8)
