@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mla_qproj import FusedMLAQUpProjection
 from mla_qproj._config import QProjConfig
@@ -171,6 +173,85 @@ def test_offline_compile_sass_swz_stores(precision, query, tmp_path):
     assert sts >= (192 if precision == "fp8_block" else 128), sts
     assert shifts < sts // 4, (shifts, sts)
     assert rep["LDL"] + rep["STL"] == 0 and rep["LOOP_LDL_STL"] == 0
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
+@pytest.mark.parametrize("width", [128, 96, 64, 24, 136])
+def test_swz_store_addresses_match_cute_swizzle(width):
+    """`swz_stores`' address algebra (`swz_plan`, `swz_offset`, `swz_base`) against CuTe's swizzle applied to CuTe's
+    layout, for every thread row and lane of a warpgroup, both rows, every store column, tiles at 1024-aligned bases
+    (the slot strides among them): where the plan says a store may take the formed-once address, that address is
+    the swizzled one. V3's tiles (128 and 96 columns) take it for every store of every view."""
+    from _cute_layouts import epi_tables
+
+    from mla_qproj.kernels.cute.rope_gemm_sm90 import swz_base, swz_offset, swz_plan
+
+    tabs = epi_tables(width)
+    sw = tabs["swizzle"]
+    b, m, sh = (int(x) for x in sw.strip("S<>").split(","))
+
+    def swizzle(off: int) -> int:  # CuTe's Swizzle<B, M, S> on a byte address
+        return off ^ ((off & (((1 << b) - 1) << (m + sh))) >> sh)
+
+    for eb in (1, 2, 4):
+        tab, slot = tabs[eb]
+        L = lambda r, c, tab=tab: tab[r][c]  # noqa: E731
+        plan = swz_plan(L, sw, eb)
+        if plan is None:
+            assert width not in (128, 96), (width, eb, sw)
+            continue
+        fast = 0
+        for cc in range(0, len(tab[0]) - 3, 4):
+            off = swz_offset(L, plan[0], eb, cc)
+            if off is None:
+                continue
+            fast += 1
+            k, rest = off
+            for tile in {0, 1024 * 5, eb * slot}:
+                for lrow in range(56):
+                    for q in range(4):
+                        base = swz_base(tile + eb * L(lrow, 0) + eb * q, plan[0])
+                        for r2 in range(2):
+                            got = (base ^ k) + rest + r2 * plan[1]
+                            want = swizzle(tile + eb * L(lrow + 8 * r2, cc + q))
+                            assert got == want, (width, eb, cc, tile, lrow, q, r2)
+        if width in (128, 96):
+            assert fast == len(tab[0]) // 4, (width, eb, fast)
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
+@settings(max_examples=1500, deadline=None)
+@given(b=st.integers(0, 3), eb=st.sampled_from([1, 2, 4]), s0=st.sampled_from([4, 8, 16, 24, 32, 64, 128]),
+       s1=st.sampled_from([1, 3, 8, 16, 32, 64, 128]), a=st.sampled_from([4, 8, 16, 32, 64, 128]),
+       s3=st.sampled_from([1, 5, 16, 64, 128, 256]),
+       tile=st.integers(0, 15), data=st.data())
+def test_swz_store_addresses_on_other_layouts(b, eb, s0, s1, a, s3, tile, data):
+    """The same algebra on row-major layouts CuTe's epilogue does not build (row r at (r % 8)·s0 + (r / 8)·s1·8,
+    column c at c % a + (c / a)·s3·8 elements; S<b, 4, 3>; a 1024-aligned tile): wherever `swz_plan` and
+    `swz_offset` accept a store, its formed-once address is the swizzled one, so each of their conditions is
+    needed only where it is checked."""
+    from mla_qproj.kernels.cute.rope_gemm_sm90 import swz_base, swz_offset, swz_plan
+
+    def L(r: int, c: int) -> int:
+        return (r % 8) * s0 + (r // 8) * s1 * 8 + c % a + (c // a) * s3 * 8
+
+    def swizzle(off: int) -> int:
+        return off ^ ((off & (((1 << b) - 1) << 7)) >> 3)
+
+    plan = swz_plan(L, f"S<{b},4,3>", eb)
+    if plan is None:
+        return
+    cc = data.draw(st.integers(0, 2 * a - 4))
+    off = swz_offset(L, plan[0], eb, cc)
+    if off is None:
+        return
+    k, rest = off
+    for lrow in range(56):
+        for q in range(4):
+            base = swz_base(1024 * tile + eb * L(lrow, 0) + eb * q, plan[0])
+            for r2 in range(2):
+                got = (base ^ k) + rest + r2 * plan[1]
+                assert got == swizzle(1024 * tile + eb * L(lrow + 8 * r2, cc + q)), (lrow, q, r2)
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU

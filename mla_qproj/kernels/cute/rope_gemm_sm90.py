@@ -171,43 +171,63 @@ def _st_shared(addr: cutlass.Int32, v, bits: int, imm: int, *, loc=None, ip=None
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+def swz_plan(L, swizzle: str, eb: int, rows: int = ROWS_PER_WG):
+    """The row half of `_TileStores`' check (plain Python, trace time): L(r, c) the tile's element offset, eb the
+    element's bytes. Returns (B, d8) where the rows allow addresses formed once (the swizzle is S<B, 4, 3>; no row
+    part has bits in [4, 4 + B); rows r and r + 8 lie d8 bytes apart for every r, d8 a multiple of 2^(7 + B)), else
+    None."""
+    b, m, sh = (int(x) for x in swizzle.strip("S<>").split(","))
+    if m != 4 or sh != 3:
+        return None
+    mask, low = ((1 << b) - 1) << 4, (1 << (7 + b)) - 1
+    rs = [eb * L(r, 0) for r in range(rows)]
+    d8 = rs[8] - rs[0]
+    if any(r & mask for r in rs) or d8 & low or any(rs[r + 8] - rs[r] != d8 for r in range(rows - 8)):
+        return None
+    return b, d8
+
+
+def swz_offset(L, b: int, eb: int, cc: int):
+    """The column half (plain Python, trace time): for a store at element column cc + q (q < 4), (k, rest) such that
+    its address is (base ^ k) + rest (+ d8 on the second row), base = `swz_base` of the thread's unswizzled address
+    at column q; None where that is not exact (the column offset has bits in [7, 7 + B) or between the chunk bits and
+    bit 7, its bits below 4 leave no room for q's, or the chunk's elements are not contiguous)."""
+    mask, low = ((1 << b) - 1) << 4, (1 << (7 + b)) - 1
+    cb = eb * L(0, cc)
+    if cb & low & ~mask & ~0xF or (cb & 0xF) + 4 * eb > 16 or any(eb * L(0, cc + x) != cb + eb * x for x in range(4)):
+        return None
+    return cb & mask, cb & ~mask
+
+
+def swz_base(u0, b: int):
+    """S<b, 4, 3> of an address whose bits [4, 4 + b) are zero (Python ints or DSL integers)."""
+    return u0 ^ (((u0 >> 7) & ((1 << b) - 1)) << 4)
+
+
 class _TileStores:
     """One thread's stores into a warpgroup's swizzled [64, W] shared-memory tile at addresses formed once per
     thread (`swz_stores`). The tile's swizzle S<B, 4, 3> flips address bits [4, 4 + B) by bits [7, 7 + B) of the
     byte address; every store of a thread goes to row lrow or lrow + 8 and to an element column cc + q (q = lane % 4,
-    cc a compile-time constant). Where the layout allows (checked at trace time, per store; else the tensor's own
-    store), the swizzled address is (base ^ k) + rest: base = swizzle(tile + row part + q part) once per thread, k
-    the column offset's bits in [4, 4 + B) and rest its other bits plus the second row's constant offset, so that a
-    store costs no address arithmetic beyond one XOR with a constant (none where k = 0). Conditions: the tile
-    starts at a multiple of 2^(7 + B) bytes (the epilogue's buffers are 1024-aligned); the row parts have no bits in
-    [4, 4 + B); rows lrow and lrow + 8 lie a constant multiple of 2^(7 + B) bytes apart; a column offset has no bits
-    in [7, 7 + B) and its bits below 4 leave room for the q part within its 16-byte chunk, whose elements are
-    contiguous."""
+    cc a compile-time constant). Where the layout allows (`swz_plan`, `swz_offset`: checked at trace time, per store;
+    else the tensor's own store), the swizzled address is (base ^ k) + rest: base = swizzle(tile + row part + q part)
+    once per thread, k the column offset's bits in [4, 4 + B) and rest its other bits plus the second row's constant
+    offset, so that a store costs no address arithmetic beyond one XOR with a constant (none where k = 0). The tile
+    must start at a multiple of 2^(7 + B) bytes: the epilogue's buffers are 1024-aligned (tests/ops/test_cute_rope_
+    gemm.py checks the algebra against CuTe's swizzle on the epilogue's layouts)."""
 
     def __init__(self, t: cute.Tensor, swizzle: str, eb: int, lrow, q):
-        self.t, self.eb, self.L = t, eb, t.layout
-        b, m, sh = (int(x) for x in swizzle.strip("S<>").split(","))
-        self.ok = m == 4 and sh == 3
-        self.mask = ((1 << b) - 1) << 4
-        self.low = (1 << (7 + b)) - 1  # the bits the swizzle reads or writes
-        rows = [eb * cute.crd2idx((r, 0), self.L) for r in range(ROWS_PER_WG)]
-        self.d8 = rows[8] - rows[0]
-        self.ok = (self.ok and all(r & self.mask == 0 for r in rows) and self.d8 & self.low == 0
-                   and all(rows[r + 8] - rows[r] == self.d8 for r in range(ROWS_PER_WG - 8)))
-        if self.ok:
-            u0 = t.iterator.toint() + cute.crd2idx((lrow, 0), self.L) * eb + q * eb
-            self.base = u0 ^ (((u0 >> 7) & ((1 << b) - 1)) << 4)
-        self.lrow, self.q = lrow, q
+        self.t, self.eb, self.lrow, self.q = t, eb, lrow, q
+        self.L = lambda r, c: cute.crd2idx((r, c), t.layout)
+        self.plan = swz_plan(self.L, swizzle, eb)
+        if self.plan is not None:
+            self.base = swz_base(t.iterator.toint() + cute.crd2idx((lrow, 0), t.layout) * eb + q * eb, self.plan[0])
 
     def put(self, r2: int, cc: int, v):
         """t[lrow + 8·r2, cc + q] = v."""
-        eb = self.eb
-        cb = eb * cute.crd2idx((0, cc), self.L)
-        fits = (self.ok and cb & (self.low & ~self.mask) & ~0xF == 0 and (cb & 0xF) + 4 * eb <= 16
-                and all(eb * cute.crd2idx((0, cc + x), self.L) == cb + eb * x for x in range(4)))
-        if fits:
-            k = cb & self.mask
-            _st_shared(self.base ^ k if k else self.base, v, 8 * eb, (cb & ~self.mask) + r2 * self.d8)
+        off = swz_offset(self.L, self.plan[0], self.eb, cc) if self.plan is not None else None
+        if off is not None:
+            k, rest = off
+            _st_shared(self.base ^ k if k else self.base, v, 8 * self.eb, rest + r2 * self.plan[1])
         else:
             self.t[(self.lrow + 8 * r2, cc + self.q)] = v
 
