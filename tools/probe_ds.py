@@ -2,9 +2,9 @@
 against the default kernel, timed round-robin with cuBLAS on the same operands in one process (do_bench medians, L2
 flushed), the outputs compared bit for bit with the default's:
 - `ds_halves`: the fp8 engine's a' / b' stored as 16-bit halves at their columns (no quad shuffles), bf16 query;
-- `swz_stores`: the epilogue's shared-memory stores at addresses formed once per thread (no swizzle arithmetic per
-  store), on the fp8 engine with a bf16 query (peer: cuBLAS blockwise) and on the bf16-operand engine with an MXFP8
-  query (the mxfp8 forward's GEMM; peer: cuBLAS bf16).
+- `swz_addr`: the epilogue's shared-memory stores and table reads at addresses formed once per thread (no swizzle
+  arithmetic per access), on the fp8 engine with a bf16 query (peer: cuBLAS blockwise) and on the bf16-operand
+  engine with an MXFP8 query (the mxfp8 forward's GEMM; peer: cuBLAS bf16).
 
     python tools/probe_ds.py build OUT          # CPU: compile the variants, export OUT/<name>.so
     python tools/probe_ds.py run OUT [--tokens 16384,65536,4096] [--rounds 5]   # GPU (runtime library: OUT/../kernels)
@@ -23,9 +23,9 @@ K, H, D, P, R = 1536, 128, 192, 128, 64
 N, RH = H * D, R // 2
 # kernel family -> (precision, query, {variant: RopeGemmSm90 options}); the first variant is the default
 FAMILIES = {
-    "fp8": ("fp8_block", "bf16", {"shfl": {}, "halves": {"ds_halves": True}, "swz": {"swz_stores": True},
-                                  "halves_swz": {"ds_halves": True, "swz_stores": True}}),
-    "bf16mx": ("mxfp8", "mxfp8", {"mx": {}, "mx_swz": {"swz_stores": True}}),
+    "fp8": ("fp8_block", "bf16", {"shfl": {}, "halves": {"ds_halves": True}, "swz": {"swz_addr": True},
+                                  "halves_swz": {"ds_halves": True, "swz_addr": True}}),
+    "bf16mx": ("mxfp8", "mxfp8", {"mx": {}, "mx_swz": {"swz_addr": True}}),
 }
 
 

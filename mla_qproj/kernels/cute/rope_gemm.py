@@ -181,7 +181,7 @@ def _kernel(cfg: QProjConfig, num_sms: int):
 def compile_kernel(cfg: QProjConfig, num_sms: int, options: str = "", **schedule):
     """Compile the kernel for cfg (T symbolic) with the CuTe DSL, for sm_90a; no GPU needed. Returns the compiled
     function (callable with torch tensors, on the current stream; `.export_to_c` writes an object file). schedule:
-    `RopeGemmSm90`'s other options (tile order, col_tile, ds_halves, swz_stores, ...), for tests and probes."""
+    `RopeGemmSm90`'s other options (tile order, col_tile, ds_halves, swz_addr, ...), for tests and probes."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream, make_fake_tensor

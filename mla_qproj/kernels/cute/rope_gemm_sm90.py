@@ -172,7 +172,7 @@ def _st_shared(addr: cutlass.Int32, v, bits: int, imm: int, *, loc=None, ip=None
 
 
 def swz_plan(L, swizzle: str, eb: int, rows: int = ROWS_PER_WG):
-    """The row half of `_TileStores`' check (plain Python, trace time): L(r, c) the tile's element offset, eb the
+    """The row half of `_TileAccess`' check (plain Python, trace time): L(r, c) the tile's element offset, eb the
     element's bytes. Returns (B, d8) where the rows allow addresses formed once (the swizzle is S<B, 4, 3>; no row
     part has bits in [4, 4 + B); rows r and r + 8 lie d8 bytes apart for every r, d8 a multiple of 2^(7 + B)), else
     None."""
@@ -204,16 +204,25 @@ def swz_base(u0, b: int):
     return u0 ^ (((u0 >> 7) & ((1 << b) - 1)) << 4)
 
 
-class _TileStores:
-    """One thread's stores into a warpgroup's swizzled [64, W] shared-memory tile at addresses formed once per
-    thread (`swz_stores`). The tile's swizzle S<B, 4, 3> flips address bits [4, 4 + B) by bits [7, 7 + B) of the
-    byte address; every store of a thread goes to row lrow or lrow + 8 and to an element column cc + q (q = lane % 4,
-    cc a compile-time constant). Where the layout allows (`swz_plan`, `swz_offset`: checked at trace time, per store;
-    else the tensor's own store), the swizzled address is (base ^ k) + rest: base = swizzle(tile + row part + q part)
-    once per thread, k the column offset's bits in [4, 4 + B) and rest its other bits plus the second row's constant
-    offset, so that a store costs no address arithmetic beyond one XOR with a constant (none where k = 0). The tile
-    must start at a multiple of 2^(7 + B) bytes: the epilogue's buffers are 1024-aligned (tests/ops/test_cute_rope_
-    gemm.py checks the algebra against CuTe's swizzle on the epilogue's layouts)."""
+@dsl_user_op
+def _ld_shared_f32(addr: cutlass.Int32, imm: int, *, loc=None, ip=None) -> cutlass.Float32:
+    """ld.shared.f32 [addr + imm] (volatile: never moved across the barrier waits that order it)."""
+    return F32(llvm.inline_asm(F32.mlir_type, [I32(addr).ir_value(loc=loc, ip=ip)], f"ld.shared.f32 $0, [$1+{imm}];",
+                               "=f,r,~{memory}", has_side_effects=True, is_align_stack=False,
+                               asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+class _TileAccess:
+    """One thread's stores into (or fp32 loads from) a warpgroup's swizzled [64, W] shared-memory tile at addresses
+    formed once per thread (`swz_addr`): the epilogue's output tiles, and the RoPE tables' rows. The tile's swizzle
+    S<B, 4, 3> flips address bits [4, 4 + B) by bits [7, 7 + B) of the byte address; every access of a thread goes to
+    row lrow or lrow + 8 and to an element column cc + q (q = lane % 4, cc a compile-time constant). Where the layout
+    allows (`swz_plan`, `swz_offset`: checked at trace time, per access; else the tensor's own access), the swizzled
+    address is (base ^ k) + rest: base = swizzle(tile + row part + q part) once per thread, k the column offset's bits
+    in [4, 4 + B) and rest its other bits plus the second row's constant offset, so that an access costs no address
+    arithmetic beyond one XOR with a constant (none where k = 0). The tile must start at a multiple of 2^(7 + B)
+    bytes: the epilogue's buffers and table stages are 1024-aligned (tests/ops/test_cute_rope_gemm.py checks the
+    algebra against CuTe's swizzle on the kernel's layouts)."""
 
     def __init__(self, t: cute.Tensor, swizzle: str, eb: int, lrow, q):
         self.t, self.eb, self.lrow, self.q = t, eb, lrow, q
@@ -231,6 +240,14 @@ class _TileStores:
         else:
             self.t[(self.lrow + 8 * r2, cc + self.q)] = v
 
+    def get(self, r2: int, cc: int):
+        """t[lrow + 8·r2, cc + q] (fp32 elements)."""
+        off = swz_offset(self.L, self.plan[0], self.eb, cc) if self.plan is not None else None
+        if off is not None:
+            k, rest = off
+            return _ld_shared_f32(self.base ^ k if k else self.base, rest + r2 * self.plan[1])
+        return self.t[(self.lrow + 8 * r2, cc + self.q)]
+
 
 OPERANDS = ("fp8_block", "bf16")  # E4M3 codes with block scales, or bf16 (the MXFP8 images, or bf16 itself)
 OUTPUTS = ("bf16", "mxfp8")  # the query: bf16, or MXFP8 rowwise (codes + E8M0 bytes)
@@ -245,7 +262,7 @@ class RopeGemmSm90:
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
                  swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
                  split: bool = False, overlap: bool = True, col_tile: int = WIDE_N, ds_halves: bool = False,
-                 swz_stores: bool = False):
+                 swz_addr: bool = False):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
             raise ValueError(f"unsupported operands {operands!r} / query {out!r} / scale_mode {scale_mode!r}")
         self.fp8 = operands == "fp8_block"
@@ -265,10 +282,10 @@ class RopeGemmSm90:
         # quad shuffles (the default regroups them into 32-bit words first); off until the GPU has compared the two
         # (tools/probe_ds.py: it prices the epilogue, which costs the fp8 kernel 3-8 %, BENCHMARKS.md)
         self.ds_halves = ds_halves
-        # the epilogue's shared-memory stores at addresses formed once per thread (`_TileStores`; the default forms
-        # each store's swizzled address anew, about three integer instructions a store); off until the GPU has
-        # compared the two (tools/probe_ds.py)
-        self.swz_stores = swz_stores
+        # the epilogue's shared-memory stores and table reads at addresses formed once per thread (`_TileAccess`; the
+        # default forms each access's swizzled address anew, about three integer instructions an access); off until
+        # the GPU has compared the two (tools/probe_ds.py)
+        self.swz_addr = swz_addr
         self.RH = R // 2
         self.N = H * D
         self.num_sms = num_sms
@@ -363,7 +380,7 @@ class RopeGemmSm90:
         b_smem = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.b_dtype, self.stages)
         y_smem = sm90_utils.make_smem_layout_epi(self.y_dtype, LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.epi_w),
                                                  self.epi_slots)
-        self.y_swizzle = str(y_smem.inner)  # (for `_TileStores`)
+        self.y_swizzle = str(y_smem.inner)  # (for `_TileAccess`)
 
         tma_a, tA = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                 cute.slice_(a_smem, (None, None, 0)), (self.bm, self.bk))
@@ -375,6 +392,7 @@ class RopeGemmSm90:
         # the RoPE tables' rows of a warpgroup: [64, R/2] fp32 boxes, stages (cos, sin) of warpgroup 0, then 1
         tab_smem = sm90_utils.make_smem_layout_epi(cutlass.Float32, LayoutEnum.ROW_MAJOR, (ROWS_PER_WG, self.RH),
                                                    4)
+        self.tab_swizzle = str(tab_smem.inner)  # (for `_TileAccess`)
         tma_cos, tCos = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mCos,
                                                     cute.slice_(tab_smem, (None, None, 0)), (ROWS_PER_WG, self.RH))
         tma_sin, tSin = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mSin,
@@ -824,11 +842,19 @@ class RopeGemmSm90:
         """tab = this thread's cos then sin values (rows r0 then r1, R/8 pairs per row) from the warpgroup's rows of
         the tables in shared memory."""
         n = self.R // 8
-        for r2 in cutlass.range_constexpr(2):
-            for t in cutlass.range_constexpr(n):
-                i = self._pair(t, q)
-                tab[r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 * c)]
-                tab[2 * n + r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 * c + 1)]
+        if cutlass.const_expr(self.swz_addr and self.style != "neox"):  # pair 4t + q: column 4t + q
+            tabs = (_TileAccess(sTab[(None, None, 2 * c)], self.tab_swizzle, 4, lrow, q),
+                    _TileAccess(sTab[(None, None, 2 * c + 1)], self.tab_swizzle, 4, lrow, q))
+            for r2 in cutlass.range_constexpr(2):
+                for t in cutlass.range_constexpr(n):
+                    tab[r2 * n + t] = tabs[0].get(r2, 4 * t)
+                    tab[2 * n + r2 * n + t] = tabs[1].get(r2, 4 * t)
+        else:
+            for r2 in cutlass.range_constexpr(2):
+                for t in cutlass.range_constexpr(n):
+                    i = self._pair(t, q)
+                    tab[r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 * c)]
+                    tab[2 * n + r2 * n + t] = sTab[(lrow + 8 * r2, i, 2 * c + 1)]
 
     @cute.jit
     def _promote(self, acc: cute.Tensor, blk: cute.Tensor, sc: cute.Tensor, off: cutlass.Int32,
@@ -904,8 +930,8 @@ class RopeGemmSm90:
         P, RH, n = self.P, self.RH, self.R // 8
         hi = lo + self.epi_w
 
-        fw = _TileStores(sW, self.y_swizzle, 4, lrow, q) if self.swz_stores else None
-        fh = _TileStores(sH, self.y_swizzle, 2, lrow, q) if self.swz_stores and self.ds_halves else None
+        fw = _TileAccess(sW, self.y_swizzle, 4, lrow, q) if self.swz_addr else None
+        fh = _TileAccess(sH, self.y_swizzle, 2, lrow, q) if self.swz_addr and self.ds_halves else None
 
         def put_word(r2: int, base: int, v):  # output columns base + 2q, base + 2q + 1 (base a multiple of 8)
             if cutlass.const_expr(lo <= base < hi):
@@ -1011,8 +1037,8 @@ class RopeGemmSm90:
         blocks, not of all). Columns and blocks are the tile's (ph: as in `_rope_store`; the heads' 32-blocks are the
         tile's, D being a multiple of 32)."""
         P, RH, nt, nblk = self.P, self.RH, self.R // 8, self.bn // 32
-        fh = _TileStores(sQh, self.y_swizzle, 2, lrow, q) if self.swz_stores else None
-        fb = _TileStores(sQb, self.y_swizzle, 1, lrow, q) if self.swz_stores else None
+        fh = _TileAccess(sQh, self.y_swizzle, 2, lrow, q) if self.swz_addr else None
+        fb = _TileAccess(sQb, self.y_swizzle, 1, lrow, q) if self.swz_addr else None
         for r2 in cutlass.range_constexpr(2):
             row = lrow + 8 * r2
             # ("w", col, v0, v1): output columns col + 2q, col + 2q + 1; ("b", ca, cb, va, vb): deepseek's a' at ca + q
