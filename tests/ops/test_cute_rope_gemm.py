@@ -175,25 +175,37 @@ def test_offline_compile_sass_swz_addr(precision, query, tmp_path):
     assert rep["LDL"] + rep["STL"] == 0 and rep["LOOP_LDL_STL"] == 0
 
 
+def _assert_formed_once(L, sw: str, eb: int, plan: tuple, off: tuple, cc: int, tile: int) -> None:
+    """For every thread row of a warpgroup, lane q and row pair of a tile at byte address `tile`: the formed-once
+    address of element (lrow + 8·r2, cc + q) (`swz_base` of the thread's base, XOR k, + rest + r2·d8) equals CuTe's
+    swizzle S<B, M, S> (sw) of its byte address eb·L(row, column)."""
+    from mla_qproj.kernels.cute.rope_gemm_sm90 import swz_base
+
+    b, m, sh = (int(x) for x in sw.strip("S<>").split(","))
+    (k, rest), d8 = off, plan[1]
+    for lrow in range(56):
+        for q in range(4):
+            base = swz_base(tile + eb * L(lrow, 0) + eb * q, plan[0])
+            for r2 in range(2):
+                addr = tile + eb * L(lrow + 8 * r2, cc + q)
+                want = addr ^ ((addr & (((1 << b) - 1) << (m + sh))) >> sh)  # CuTe's Swizzle<B, M, S>
+                assert (base ^ k) + rest + r2 * d8 == want, (sw, eb, cc, tile, lrow, q, r2)
+
+
 @pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
 @pytest.mark.parametrize("width", [128, 96, 64, 24, 136, "tab8", "tab16", "tab32"])
-def test_swz_store_addresses_match_cute_swizzle(width):
+def test_swz_addresses_match_cute_swizzle(width):
     """`swz_addr`' address algebra (`swz_plan`, `swz_offset`, `swz_base`) against CuTe's swizzle applied to CuTe's
     layout (the epilogue's [64, width] tiles; "tabN": the RoPE tables' [64, N] fp32 stages), for every thread row and
     lane of a warpgroup, both rows, every column, tiles at 1024-aligned bases (the slot strides among them): where
     the plan says an access may take the formed-once address, that address is the swizzled one. V3's tiles (128 and
     96 columns, tables of 32) take it for every access of every view."""
-    from _cute_layouts import epi_tables, table_tables
+    from _cute_layouts import layout_tables
 
-    from mla_qproj.kernels.cute.rope_gemm_sm90 import swz_base, swz_offset, swz_plan
+    from mla_qproj.kernels.cute.rope_gemm_sm90 import swz_offset, swz_plan
 
-    tabs = table_tables(int(width[3:])) if isinstance(width, str) else epi_tables(width)
+    tabs = layout_tables(True, int(width[3:]), 4) if isinstance(width, str) else layout_tables(False, width, 2)
     sw = tabs["swizzle"]
-    b, m, sh = (int(x) for x in sw.strip("S<>").split(","))
-
-    def swizzle(off: int) -> int:  # CuTe's Swizzle<B, M, S> on a byte address
-        return off ^ ((off & (((1 << b) - 1) << (m + sh))) >> sh)
-
     for eb in [e for e in (1, 2, 4) if e in tabs]:
         tab, slot = tabs[eb]
         L = lambda r, c, tab=tab: tab[r][c]  # noqa: E731
@@ -207,15 +219,8 @@ def test_swz_store_addresses_match_cute_swizzle(width):
             if off is None:
                 continue
             fast += 1
-            k, rest = off
             for tile in {0, 1024 * 5, eb * slot}:
-                for lrow in range(56):
-                    for q in range(4):
-                        base = swz_base(tile + eb * L(lrow, 0) + eb * q, plan[0])
-                        for r2 in range(2):
-                            got = (base ^ k) + rest + r2 * plan[1]
-                            want = swizzle(tile + eb * L(lrow + 8 * r2, cc + q))
-                            assert got == want, (width, eb, cc, tile, lrow, q, r2)
+                _assert_formed_once(L, sw, eb, plan, off, cc, tile)
         if width in (128, 96, "tab32"):
             assert fast == len(tab[0]) // 4, (width, eb, fast)
 
@@ -226,33 +231,25 @@ def test_swz_store_addresses_match_cute_swizzle(width):
        s1=st.sampled_from([1, 3, 8, 16, 32, 64, 128]), a=st.sampled_from([4, 8, 16, 32, 64, 128]),
        s3=st.sampled_from([1, 5, 16, 64, 128, 256]),
        tile=st.integers(0, 15), data=st.data())
-def test_swz_store_addresses_on_other_layouts(b, eb, s0, s1, a, s3, tile, data):
+def test_swz_addresses_on_other_layouts(b, eb, s0, s1, a, s3, tile, data):
     """The same algebra on row-major layouts CuTe's epilogue does not build (row r at (r % 8)·s0 + (r / 8)·s1·8,
     column c at c % a + (c / a)·s3·8 elements; S<b, 4, 3>; a 1024-aligned tile): wherever `swz_plan` and
     `swz_offset` accept a store, its formed-once address is the swizzled one, so each of their conditions is
     needed only where it is checked."""
-    from mla_qproj.kernels.cute.rope_gemm_sm90 import swz_base, swz_offset, swz_plan
+    from mla_qproj.kernels.cute.rope_gemm_sm90 import swz_offset, swz_plan
 
     def L(r: int, c: int) -> int:
         return (r % 8) * s0 + (r // 8) * s1 * 8 + c % a + (c // a) * s3 * 8
 
-    def swizzle(off: int) -> int:
-        return off ^ ((off & (((1 << b) - 1) << 7)) >> 3)
-
-    plan = swz_plan(L, f"S<{b},4,3>", eb)
+    sw = f"S<{b},4,3>"
+    plan = swz_plan(L, sw, eb)
     if plan is None:
         return
     cc = data.draw(st.integers(0, 2 * a - 4))
     off = swz_offset(L, plan[0], eb, cc)
     if off is None:
         return
-    k, rest = off
-    for lrow in range(56):
-        for q in range(4):
-            base = swz_base(1024 * tile + eb * L(lrow, 0) + eb * q, plan[0])
-            for r2 in range(2):
-                got = (base ^ k) + rest + r2 * plan[1]
-                assert got == swizzle(1024 * tile + eb * L(lrow + 8 * r2, cc + q)), (lrow, q, r2)
+    _assert_formed_once(L, sw, eb, plan, off, cc, 1024 * tile)
 
 
 # ------------------------------------------------------------------------------------------------------------ GPU

@@ -231,22 +231,27 @@ class _TileAccess:
         if self.plan is not None:
             self.base = swz_base(t.iterator.toint() + cute.crd2idx((lrow, 0), t.layout) * eb + q * eb, self.plan[0])
 
+    def _addr(self, r2: int, cc: int):
+        """(register address, immediate offset) of t[lrow + 8·r2, cc + q] where the formed-once address is exact, else
+        None."""
+        off = swz_offset(self.L, self.plan[0], self.eb, cc) if self.plan is not None else None
+        if off is None:
+            return None
+        k, rest = off
+        return self.base ^ k if k else self.base, rest + r2 * self.plan[1]
+
     def put(self, r2: int, cc: int, v):
         """t[lrow + 8·r2, cc + q] = v."""
-        off = swz_offset(self.L, self.plan[0], self.eb, cc) if self.plan is not None else None
-        if off is not None:
-            k, rest = off
-            _st_shared(self.base ^ k if k else self.base, v, 8 * self.eb, rest + r2 * self.plan[1])
+        a = self._addr(r2, cc)
+        if a is not None:
+            _st_shared(a[0], v, 8 * self.eb, a[1])
         else:
             self.t[(self.lrow + 8 * r2, cc + self.q)] = v
 
     def get(self, r2: int, cc: int):
         """t[lrow + 8·r2, cc + q] (fp32 elements)."""
-        off = swz_offset(self.L, self.plan[0], self.eb, cc) if self.plan is not None else None
-        if off is not None:
-            k, rest = off
-            return _ld_shared_f32(self.base ^ k if k else self.base, rest + r2 * self.plan[1])
-        return self.t[(self.lrow + 8 * r2, cc + self.q)]
+        a = self._addr(r2, cc)
+        return _ld_shared_f32(*a) if a is not None else self.t[(self.lrow + 8 * r2, cc + self.q)]
 
 
 OPERANDS = ("fp8_block", "bf16")  # E4M3 codes with block scales, or bf16 (the MXFP8 images, or bf16 itself)
