@@ -118,6 +118,9 @@ def test_offline_compile_sass(geom, style, precision, query, tmp_path):
     assert rep["USETMAXREG"] >= 2 and "USETMAXREG.DEALLOC" in rep["sass"] and "USETMAXREG.TRY_ALLOC" in rep["sass"]
     assert rep["LOOP_LDL_STL"] == 0, rep["LOOP_LDL_STL"]
     assert rep["STACK"] <= 32 and rep["LDL"] + rep["STL"] <= 8, {k: rep[k] for k in ("LDL", "STL", "STACK")}
+    # the persistent schedule (`schedule_tile`) divides by compile-time constants only: no integer division by a
+    # run-time value, which ptxas expands around a float reciprocal (I2F.RP)
+    assert "I2F.RP" not in rep["sass"]
     mx = query == "mxfp8"
     assert ("SATFINITE.E4M3" in rep["sass"]) == mx and ("STG.E.U8" in rep["sass"]) == mx
     if style == "deepseek" and not mx:  # the default regroups a' / b' by quad shuffles (`ds_halves`: below)
@@ -173,6 +176,41 @@ def test_offline_compile_sass_swz_addr(precision, query, tmp_path):
     assert sts >= (192 if precision == "fp8_block" else 128), sts
     assert shifts < sts // 16, (shifts, sts)
     assert rep["LDL"] + rep["STL"] == 0 and rep["LOOP_LDL_STL"] == 0
+
+
+@pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
+@settings(max_examples=200, deadline=None)
+@given(num_m=st.integers(1, 300), n_tiles=st.integers(1, 40), cluster_m=st.sampled_from([1, 2, 4]),
+       group=st.sampled_from([1, 2, 3, 4, 8]), sms=st.integers(4, 140), pingpong=st.booleans())
+def test_persistent_schedule_covers_every_tile_once(num_m, n_tiles, cluster_m, group, sms, pingpong):
+    """The kernel's persistent schedule, walked as the kernel walks it (`schedule_limit`, `schedule_tile`; a CTA
+    `rank` of each cluster, every grid-stride step; ping-pong: each consumer warpgroup every other step of its CTA):
+    every output tile [0, num_m) x [0, n_tiles) is computed exactly once, the rest lie past T (rows >= num_m, whole
+    columns), a cluster's CTAs take consecutive tile rows of one column, and the steps running at once (one wave of
+    the grid) cover at most ceil(wave / group) + 1 columns of W per group of rows."""
+    from mla_qproj.kernels.cute.rope_gemm_sm90 import schedule_limit, schedule_tile
+
+    limit = schedule_limit(num_m, cluster_m, group, n_tiles)
+    clusters = min(limit, max(sms // cluster_m, 1))
+    seen = {}
+    for z in range(clusters):
+        for c in range(2 if pingpong else 1):
+            for step in range(z + c * clusters, limit, 2 * clusters if pingpong else clusters):
+                row, n = schedule_tile(step, n_tiles, group)
+                assert 0 <= n < n_tiles
+                tiles = [(row * cluster_m + rank, n) for rank in range(cluster_m)]
+                for t in tiles:
+                    assert t not in seen, (t, step, seen[t])
+                    seen[t] = step
+    real = {(m, n) for m in range(num_m) for n in range(n_tiles)}
+    assert real <= seen.keys()
+    assert all(m >= num_m for m, _ in seen.keys() - real)
+    assert len(seen) - len(real) < cluster_m * group * n_tiles  # fewer than one group of cluster rows past T
+    # locality: the first wave's steps, within a group of cluster rows, touch few distinct columns
+    wave = [schedule_tile(s, n_tiles, group) for s in range(clusters)]
+    for g in {row // group for row, _ in wave}:
+        cols = {n for row, n in wave if row // group == g}
+        assert len(cols) <= -(-clusters // group) + 1, (g, cols)
 
 
 def _assert_formed_once(L, sw: str, eb: int, plan: tuple, off: tuple, cc: int, tile: int) -> None:

@@ -72,7 +72,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -254,6 +253,24 @@ class _TileAccess:
         return _ld_shared_f32(*a) if a is not None else self.t[(self.lrow + 8 * r2, cc + self.q)]
 
 
+def schedule_limit(num_m, cluster_m: int, group: int, n_tiles: int):
+    """The persistent schedule's length in cluster steps (plain Python or DSL integers): [128-token tile rows
+    (num_m) in clusters of cluster_m, the clusters' rows rounded up to whole groups of `group`] x n_tiles columns.
+    Steps past the last real tile row cover tiles past T, which TMA zero-fills and clips."""
+    rows = (num_m + cluster_m - 1) // cluster_m
+    return (rows + group - 1) // group * group * n_tiles
+
+
+def schedule_tile(step, n_tiles: int, group: int):
+    """The persistent schedule's order (plain Python or DSL integers): cluster step -> (cluster row, tile column).
+    `group` cluster rows go together: for each column, the group's rows one after the other, so that the clusters
+    running at once read a few column tiles of W (and the group's rows of A) from L2 rather than all of W. A CTA's
+    cluster takes steps first, first + clusters, ... (first its index in the grid, clusters the grid's), a CTA its
+    cluster's rows cluster_m·row + rank."""
+    g, r = step % group, step // group
+    return g + group * (r // n_tiles), r % n_tiles
+
+
 OPERANDS = ("fp8_block", "bf16")  # E4M3 codes with block scales, or bf16 (the MXFP8 images, or bf16 itself)
 OUTPUTS = ("bf16", "mxfp8")  # the query: bf16, or MXFP8 rowwise (codes + E8M0 bytes)
 BF16_BK = 64  # K tile of bf16 operands: 128-byte rows (the 128-byte swizzle)
@@ -265,7 +282,7 @@ class RopeGemmSm90:
 
     def __init__(self, K: int, H: int, D: int, P: int, R: int, style: str, num_sms: int,
                  operands: str = "fp8_block", out: str = "bf16", scale_mode: str = "rceil",
-                 swizzle: int = 4, raster_along_m: bool = False, cluster_m: int = 2, max_phases: int = 4,
+                 swizzle: int = 4, cluster_m: int = 2, max_phases: int = 4,
                  split: bool = False, overlap: bool = True, col_tile: int = WIDE_N, ds_halves: bool = False,
                  swz_addr: bool = False):
         if operands not in OPERANDS or out not in OUTPUTS or scale_mode not in ("rceil", "floor"):
@@ -294,8 +311,7 @@ class RopeGemmSm90:
         self.RH = R // 2
         self.N = H * D
         self.num_sms = num_sms
-        self.swizzle = swizzle
-        self.raster_along_m = raster_along_m
+        self.swizzle = swizzle  # cluster rows per group of the persistent schedule (`schedule_tile`)
         # fp8 operands: [128, col_tile] tiles of the output where the heads allow (`wide_tiles`), else one head a tile
         self.wide = self.fp8 and col_tile > 0 and wide_tiles(H, D, P, R, col_tile)
         bn = col_tile if self.wide else D
@@ -404,11 +420,8 @@ class RopeGemmSm90:
                                                     cute.slice_(tab_smem, (None, None, 0)), (ROWS_PER_WG, self.RH))
 
         T = mA.shape[0]
-        num_m = (T + self.bm - 1) // self.bm
-        num_m = (num_m + self.cluster_m - 1) // self.cluster_m * self.cluster_m  # whole clusters (extra tiles: past T)
-        sched = utils.PersistentTileSchedulerParams((num_m, self.n_tiles, 1), (self.cluster_m, 1, 1), self.swizzle,
-                                                    self.raster_along_m)
-        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, self.num_sms // self.cluster_m)
+        limit = schedule_limit((T + self.bm - 1) // self.bm, self.cluster_m, self.swizzle, self.n_tiles)
+        grid = (self.cluster_m, 1, cutlass.min(limit, self.num_sms // self.cluster_m))  # persistent clusters
 
         @cute.struct
         class Storage:
@@ -423,7 +436,7 @@ class RopeGemmSm90:
 
         self.storage = Storage
         self.kernel(tiled_mma, tma_a, tA, tma_b, tB, tma_y, tY, tma_cos, tCos, tma_sin, tSin, mSA, mSW, mS, mCos, mSin,
-                    a_smem, b_smem, y_smem, tab_smem, sched).launch(
+                    a_smem, b_smem, y_smem, tab_smem, limit).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), min_blocks_per_mp=1, stream=stream)
 
     # ---------------------------------------------------------------------------------------------- device
@@ -433,8 +446,7 @@ class RopeGemmSm90:
                mB: cute.Tensor, tma_y: cute.CopyAtom, mY: cute.Tensor, tma_cos: cute.CopyAtom, mCosT: cute.Tensor,
                tma_sin: cute.CopyAtom, mSinT: cute.Tensor, mSA: cute.Tensor, mSW: cute.Tensor, mS: cute.Tensor,
                mCos: cute.Tensor, mSin: cute.Tensor, a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout,
-               y_smem: cute.ComposedLayout, tab_smem: cute.ComposedLayout,
-               sched: utils.PersistentTileSchedulerParams):
+               y_smem: cute.ComposedLayout, tab_smem: cute.ComposedLayout, limit: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -493,12 +505,10 @@ class RopeGemmSm90:
         if wg == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:  # ------------------------------------------------------------------ producer
-                tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(),
-                                                                   cute.arch.grid_dim())
-                work = tiles.initial_work_tile_info()
+                step, clusters = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                while work.is_valid_tile:
-                    m, n = work.tile_idx[0], work.tile_idx[1]
+                while step < limit:
+                    m, n = self._tile(step, rank)
                     for k in cutlass.range(self.k_tiles, unroll=1):
                         ring.producer_acquire(state)
                         bar = ring.producer_get_barrier(state)
@@ -507,8 +517,7 @@ class RopeGemmSm90:
                                   mcast_mask=b_mask)
                         ring.producer_commit(state)
                         state.advance()
-                    tiles.advance_to_next_work()
-                    work = tiles.get_current_work()
+                    step += clusters
                 ring.producer_tail(state)
         else:  # ------------------------------------------------------------------------------- consumers
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -516,8 +525,8 @@ class RopeGemmSm90:
             ct = tidx - 128  # thread index among the consumers
             if cutlass.const_expr(self.pingpong):
                 # (the two table barriers order the warpgroups' main loops here)
-                self._pingpong(tiled_mma, ring, sA, sB, sYw, sQh, sQb, tma_y, tYsY, tYgY, mCos, mSin, mS, sched,
-                               st.tab_bars.data_ptr(), c, tidx, mA.shape[0])
+                self._pingpong(tiled_mma, ring, sA, sB, sYw, sQh, sQb, tma_y, tYsY, tYgY, mCos, mSin, mS, limit,
+                               st.tab_bars.data_ptr(), c, tidx, mA.shape[0], rank)
             else:
                 thr_mma = tiled_mma.get_slice(ct)
                 tCsA = thr_mma.partition_A(sA)
@@ -551,12 +560,8 @@ class RopeGemmSm90:
                 tYsY2, _ = cpasync.tma_partition(tma_y, 0, cute.make_layout(1), cute.group_modes(sY2, 0, 2),
                                                  cute.group_modes(gY, 0, 2))
 
-                tiles = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
-                work = tiles.initial_work_tile_info()
+                step, clusters = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                # the next tile: its W scales are read from global memory while this one runs
-                ahead = utils.StaticPersistentTileScheduler.create(sched, cute.arch.block_idx(), cute.arch.grid_dim())
-                ahead.advance_to_next_work()
                 tab_bar = st.tab_bars.data_ptr() + c
                 tTsC, tTgC = cpasync.tma_partition(tma_cos, 0, cute.make_layout(1), cute.group_modes(sTab, 0, 2),
                                                    cute.group_modes(cute.local_tile(mCosT, (ROWS_PER_WG, self.RH),
@@ -566,13 +571,13 @@ class RopeGemmSm90:
                                                                                     (None, 0)), 0, 2))
                 sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
                 t128 = ct % 128
-                if work.is_valid_tile:  # the first tile's W scales
-                    self._load_sw(sw_next, mSW, work.tile_idx[1], t128)
+                if step < limit:  # the first tile's W scales
+                    self._load_sw(sw_next, mSW, self._tile(step, rank)[1], t128)
                     self._store_sw(sw_next, sSW, 0, c, t128)
                 store_bar.arrive_and_wait()
                 tcount = cutlass.Int32(0)
-                while work.is_valid_tile:
-                    m, n = work.tile_idx[0], work.tile_idx[1]
+                while step < limit:
+                    m, n = self._tile(step, rank)
                     buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
                     acc.fill(0.0)
                     tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
@@ -581,9 +586,8 @@ class RopeGemmSm90:
                     # must have read it by then
                     tables = functools.partial(self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin,
                                                tTgS, tTsS, m, c)
-                    nwork = ahead.get_current_work()
-                    if nwork.is_valid_tile:
-                        self._load_sw(sw_next, mSW, nwork.tile_idx[1], t128)
+                    if step + clusters < limit:  # the next tile's W scales: read from global memory while this one runs
+                        self._load_sw(sw_next, mSW, self._tile(step + clusters, rank)[1], t128)
                     r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
                     r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
                     col0 = n * self.bn  # first column of the tile in W / y
@@ -640,12 +644,15 @@ class RopeGemmSm90:
                                 cute.copy(tma_y, tYsY2[(None, 0)] if in_tables else tYsY[(None, c)],
                                           tYgY[(None, 2 * m + c, halves * n + h)])
                                 cute.arch.cp_async_bulk_commit_group()
-                    tiles.advance_to_next_work()
-                    work = tiles.get_current_work()
-                    ahead.advance_to_next_work()
+                    step += clusters
                     tcount += 1
                 if ct % 128 == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    def _tile(self, step: cutlass.Int32, rank: cutlass.Int32):
+        """(m, n): the [bm, bn] output tile of schedule step `step` for the cluster's CTA `rank`."""
+        row, n = schedule_tile(step, self.n_tiles, self.swizzle)
+        return (cute.arch.make_warp_uniform(row * self.cluster_m + rank), cute.arch.make_warp_uniform(n))
 
     def _k_block(self, state, tiled_mma, k, blocks, under_first=None):
         """K block k of a tile at ring position `state` (plain Python, traced inline: its loops and branches are
@@ -687,8 +694,8 @@ class RopeGemmSm90:
     @cute.jit
     def _pingpong(self, tiled_mma: cute.TiledMma, ring, sA: cute.Tensor, sB: cute.Tensor, sYw: cute.Tensor,
                   sQh: cute.Tensor, sQb: cute.Tensor, tma_y: cute.CopyAtom, tYsY: cute.Tensor, tYgY: cute.Tensor,
-                  mCos: cute.Tensor, mSin: cute.Tensor, mS: cute.Tensor, sched: utils.PersistentTileSchedulerParams,
-                  order, c: cutlass.Int32, tidx: cutlass.Int32, T: cutlass.Int32):
+                  mCos: cute.Tensor, mSin: cute.Tensor, mS: cute.Tensor, limit: cutlass.Int32,
+                  order, c: cutlass.Int32, tidx: cutlass.Int32, T: cutlass.Int32, rank: cutlass.Int32):
         """Consumer warpgroup c of the ping-pong schedule (bf16 operands): the CTA's tiles 2i + c, each [128, D] tile
         whole (two m64 WGMMAs per K step, a D-register accumulator). The ring hands out the stages in tile order, so
         the two warpgroups' main loops take turns and each one's epilogue runs under the other's main loop. A
@@ -707,11 +714,9 @@ class RopeGemmSm90:
         q = lane % 4
         lrow = 16 * ((tidx // 32) % 4) + lane // 4  # this thread's rows of each 64-row m-block: lrow, lrow + 8
         store_bar = pipeline.NamedBarrier(barrier_id=1 + c, num_threads=128)
-        # the CTA's tiles 2i + c: the persistent scheduler with twice the stride, started c strides on
-        bx, by, bz = cute.arch.block_idx()
-        gx, gy, gz = cute.arch.grid_dim()
-        tiles = utils.StaticPersistentTileScheduler.create(sched, (bx, by, bz + c * gz), (gx, gy, 2 * gz))
-        work = tiles.initial_work_tile_info()
+        # the CTA's tiles 2i + c: the schedule's steps at twice the stride, started c strides on
+        clusters = cute.arch.grid_dim()[2]
+        step = cute.arch.block_idx()[2] + c * clusters
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for _ in cutlass.range(c * self.k_tiles, unroll=1):  # warpgroup 1 starts at the CTA's second tile
@@ -722,8 +727,8 @@ class RopeGemmSm90:
         ops = (ring, acc, tCrA, tCrB, k_blocks)
         halves = 2 if (self.epi_halves and not self.mx) else 1
         tcount = cutlass.Int32(0)  # this warpgroup's tiles so far
-        while work.is_valid_tile:
-            m, n = work.tile_idx[0], work.tile_idx[1]
+        while step < limit:
+            m, n = self._tile(step, rank)
             if tcount + c > 0:  # the other warpgroup has issued its previous tile's last K tile
                 cute.arch.mbarrier_wait(order + c, (tcount + c + 1) % 2)
             acc.fill(0.0)
@@ -756,8 +761,7 @@ class RopeGemmSm90:
                     if wt == 0:
                         cute.copy(tma_y, tYsY[(None, slot)], tYgY[(None, 2 * m + mm, halves * n + h)])
                         cute.arch.cp_async_bulk_commit_group()
-            tiles.advance_to_next_work()
-            work = tiles.get_current_work()
+            step += 2 * clusters
             for _ in cutlass.range(self.k_tiles, unroll=1):  # the stages of the other warpgroup's tile
                 state.advance()
                 rel.advance()
