@@ -150,12 +150,13 @@ def test_offline_compile_sass(geom, style, precision, query, tmp_path):
 @pytest.mark.parametrize("precision", ["fp8_block", "mxfp8"])
 def test_offline_compile_sass_ds_halves(precision, tmp_path):
     """`ds_halves` (deepseek, bf16 query: a' and b' stored as 16-bit halves at their columns): no shuffles left in
-    the kernel, 16-bit shared-memory stores instead, no spills (the default's shuffles: `test_offline_compile_sass`)."""
+    the kernel, 16-bit shared-memory stores instead, no spills in the main loop and at most a few words a tile outside
+    it (the ping-pong kernel: 4; the default's shuffles: `test_offline_compile_sass`)."""
     tools = _tools()
     _, cubin = tools.compile_one(_cfg(V3, "deepseek", precision, "bf16"), 132, str(tmp_path), ds_halves=True)
     rep = tools.sass_report(cubin)
     assert not re.search(r"\bSHFL\.", rep["sass"]) and "STS.U16" in rep["sass"]
-    assert rep["LDL"] + rep["STL"] == 0 and rep["LOOP_LDL_STL"] == 0
+    assert rep["LDL"] + rep["STL"] <= 8 and rep["LOOP_LDL_STL"] == 0, rep
 
 
 @pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")

@@ -508,7 +508,7 @@ class RopeGemmSm90:
                 step, clusters = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while step < limit:
-                    m, n = self._tile(step, rank)
+                    m, n = self._tile(step)
                     for k in cutlass.range(self.k_tiles, unroll=1):
                         ring.producer_acquire(state)
                         bar = ring.producer_get_barrier(state)
@@ -526,7 +526,7 @@ class RopeGemmSm90:
             if cutlass.const_expr(self.pingpong):
                 # (the two table barriers order the warpgroups' main loops here)
                 self._pingpong(tiled_mma, ring, sA, sB, sYw, sQh, sQb, tma_y, tYsY, tYgY, mCos, mSin, mS, limit,
-                               st.tab_bars.data_ptr(), c, tidx, mA.shape[0], rank)
+                               st.tab_bars.data_ptr(), c, tidx, mA.shape[0])
             else:
                 thr_mma = tiled_mma.get_slice(ct)
                 tCsA = thr_mma.partition_A(sA)
@@ -572,12 +572,12 @@ class RopeGemmSm90:
                 sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
                 t128 = ct % 128
                 if step < limit:  # the first tile's W scales
-                    self._load_sw(sw_next, mSW, self._tile(step, rank)[1], t128)
+                    self._load_sw(sw_next, mSW, self._tile(step)[1], t128)
                     self._store_sw(sw_next, sSW, 0, c, t128)
                 store_bar.arrive_and_wait()
                 tcount = cutlass.Int32(0)
                 while step < limit:
-                    m, n = self._tile(step, rank)
+                    m, n = self._tile(step)
                     buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
                     acc.fill(0.0)
                     tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
@@ -587,7 +587,7 @@ class RopeGemmSm90:
                     tables = functools.partial(self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin,
                                                tTgS, tTsS, m, c)
                     if step + clusters < limit:  # the next tile's W scales: read from global memory while this one runs
-                        self._load_sw(sw_next, mSW, self._tile(step + clusters, rank)[1], t128)
+                        self._load_sw(sw_next, mSW, self._tile(step + clusters)[1], t128)
                     r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
                     r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
                     col0 = n * self.bn  # first column of the tile in W / y
@@ -649,9 +649,10 @@ class RopeGemmSm90:
                 if ct % 128 == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
 
-    def _tile(self, step: cutlass.Int32, rank: cutlass.Int32):
-        """(m, n): the [bm, bn] output tile of schedule step `step` for the cluster's CTA `rank`."""
+    def _tile(self, step: cutlass.Int32):
+        """(m, n): this CTA's [bm, bn] output tile at schedule step `step` (the grid's x is the cluster's rank)."""
         row, n = schedule_tile(step, self.n_tiles, self.swizzle)
+        rank = cutlass.Int32(cute.arch.block_idx()[0] % self.cluster_m)
         return (cute.arch.make_warp_uniform(row * self.cluster_m + rank), cute.arch.make_warp_uniform(n))
 
     def _k_block(self, state, tiled_mma, k, blocks, under_first=None):
@@ -695,7 +696,7 @@ class RopeGemmSm90:
     def _pingpong(self, tiled_mma: cute.TiledMma, ring, sA: cute.Tensor, sB: cute.Tensor, sYw: cute.Tensor,
                   sQh: cute.Tensor, sQb: cute.Tensor, tma_y: cute.CopyAtom, tYsY: cute.Tensor, tYgY: cute.Tensor,
                   mCos: cute.Tensor, mSin: cute.Tensor, mS: cute.Tensor, limit: cutlass.Int32,
-                  order, c: cutlass.Int32, tidx: cutlass.Int32, T: cutlass.Int32, rank: cutlass.Int32):
+                  order, c: cutlass.Int32, tidx: cutlass.Int32, T: cutlass.Int32):
         """Consumer warpgroup c of the ping-pong schedule (bf16 operands): the CTA's tiles 2i + c, each [128, D] tile
         whole (two m64 WGMMAs per K step, a D-register accumulator). The ring hands out the stages in tile order, so
         the two warpgroups' main loops take turns and each one's epilogue runs under the other's main loop. A
@@ -727,8 +728,11 @@ class RopeGemmSm90:
         ops = (ring, acc, tCrA, tCrB, k_blocks)
         halves = 2 if (self.epi_halves and not self.mx) else 1
         tcount = cutlass.Int32(0)  # this warpgroup's tiles so far
-        while step < limit:
-            m, n = self._tile(step, rank)
+        # the next tile and whether there is one, carried through the loop as warp-uniform values (a loop on
+        # `step < limit` compiled to spills of the epilogue's addresses with `ds_halves`)
+        m, n = self._tile(step)
+        valid = cutlass.Boolean(cute.arch.make_warp_uniform(step < limit))
+        while valid:
             if tcount + c > 0:  # the other warpgroup has issued its previous tile's last K tile
                 cute.arch.mbarrier_wait(order + c, (tcount + c + 1) % 2)
             acc.fill(0.0)
@@ -761,7 +765,9 @@ class RopeGemmSm90:
                     if wt == 0:
                         cute.copy(tma_y, tYsY[(None, slot)], tYgY[(None, 2 * m + mm, halves * n + h)])
                         cute.arch.cp_async_bulk_commit_group()
-            step += 2 * clusters
+            step = cute.arch.make_warp_uniform(step + 2 * clusters)
+            m, n = self._tile(step)
+            valid = cutlass.Boolean(cute.arch.make_warp_uniform(step < limit))
             for _ in cutlass.range(self.k_tiles, unroll=1):  # the stages of the other warpgroup's tile
                 state.advance()
                 rel.advance()
