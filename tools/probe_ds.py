@@ -1,10 +1,14 @@
-"""Probe: two epilogue options of the CuTe GEMM at DeepSeek-V3 (K = 1536, 128 heads of 192, deepseek RoPE), each
+"""Probe: epilogue and cluster options of the CuTe GEMM at DeepSeek-V3 (K = 1536, 128 heads of 192, deepseek RoPE), each
 against the default kernel, timed round-robin with cuBLAS on the same operands in one process (do_bench medians, L2
 flushed), the outputs compared bit for bit with the default's:
 - `ds_halves`: the fp8 engine's a' / b' stored as 16-bit halves at their columns (no quad shuffles), bf16 query;
 - `swz_addr`: the epilogue's shared-memory stores and table reads at addresses formed once per thread (no swizzle
   arithmetic per access), on the fp8 engine with a bf16 query (peer: cuBLAS blockwise) and on the bf16-operand
-  engine with an MXFP8 query (the mxfp8 forward's GEMM; peer: cuBLAS bf16).
+  engine with an MXFP8 query (the mxfp8 forward's GEMM; peer: cuBLAS bf16);
+- `cluster_m=4` (`c4`, `mx_c4`): clusters of four CTAs on consecutive token tiles, each loading a quarter of the W
+  tile and multicasting it (W's L2 -> SM bytes a quarter instead of a half: 24 KB a K block of the fp8 engine's
+  [128, 256] tile instead of 32), a grid of 32 clusters (128 SMs: four-CTA clusters need not fill 132; `c4x28`: 28
+  clusters, in case 32 do not fit at once).
 
     python tools/probe_ds.py build OUT          # CPU: compile the variants, export OUT/<name>.so
     python tools/probe_ds.py run OUT [--tokens 16384,65536,4096] [--rounds 5]   # GPU (runtime library: OUT/../kernels)
@@ -24,12 +28,13 @@ N, RH = H * D, R // 2
 # kernel family -> (precision, query, {variant: RopeGemmSm90 options}); the first variant is the default
 FAMILIES = {
     "fp8": ("fp8_block", "bf16", {"shfl": {}, "halves": {"ds_halves": True}, "swz": {"swz_addr": True},
-                                  "halves_swz": {"ds_halves": True, "swz_addr": True}}),
-    "bf16mx": ("mxfp8", "mxfp8", {"mx": {}, "mx_swz": {"swz_addr": True}}),
+                                  "halves_swz": {"ds_halves": True, "swz_addr": True},
+                                  "c4": {"cluster_m": 4, "num_sms": 128}, "c4x28": {"cluster_m": 4, "num_sms": 112}}),
+    "bf16mx": ("mxfp8", "mxfp8", {"mx": {}, "mx_swz": {"swz_addr": True}, "mx_c4": {"cluster_m": 4, "num_sms": 128}}),
 }
 
 
-def build(out: Path):
+def build(out: Path, only: str = ""):
     from build_cute_kernels import compile_one, export, sass_report
 
     from mla_qproj._config import QProjConfig
@@ -39,8 +44,11 @@ def build(out: Path):
     for precision, query, variants in FAMILIES.values():
         cfg = QProjConfig(K, H, P, R, D, rope_style="deepseek", precision=precision, output_format=query)
         for name, opts in variants.items():
+            if only and name not in only.split(","):
+                continue
             with tempfile.TemporaryDirectory() as d:
-                fn, cubin = compile_one(cfg, 132, d, **opts)
+                opts = dict(opts)
+                fn, cubin = compile_one(cfg, opts.pop("num_sms", 132), d, **opts)
                 r = sass_report(cubin)
                 print(name, len(r.pop("sass").splitlines()), "SASS lines", r, flush=True)
                 export(fn, out, name)
@@ -110,5 +118,6 @@ if __name__ == "__main__":
     p.add_argument("out")
     p.add_argument("--tokens", default="16384,65536,4096")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--only", default="", help="build: these variants only (comma-separated)")
     args = p.parse_args()
-    build(Path(args.out)) if args.mode == "build" else run(Path(args.out), args.tokens, args.rounds)
+    build(Path(args.out), args.only) if args.mode == "build" else run(Path(args.out), args.tokens, args.rounds)
