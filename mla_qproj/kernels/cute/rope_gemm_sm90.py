@@ -253,22 +253,30 @@ class _TileAccess:
         return _ld_shared_f32(*a) if a is not None else self.t[(self.lrow + 8 * r2, cc + self.q)]
 
 
-def schedule_limit(num_m, cluster_m: int, group: int, n_tiles: int):
-    """The persistent schedule's length in cluster steps (plain Python or DSL integers): [128-token tile rows
-    (num_m) in clusters of cluster_m, the clusters' rows rounded up to whole groups of `group`] x n_tiles columns.
-    Steps past the last real tile row cover tiles past T, which TMA zero-fills and clips."""
-    rows = (num_m + cluster_m - 1) // cluster_m
-    return (rows + group - 1) // group * group * n_tiles
+def schedule_limit(num_m, cluster_m: int, n_tiles: int):
+    """The persistent schedule's length in cluster steps (plain Python or DSL integers): the cluster rows of num_m
+    128-token tile rows (clusters of cluster_m; a last cluster's rows past T are zero-filled by TMA and clipped) x
+    n_tiles columns."""
+    return (num_m + cluster_m - 1) // cluster_m * n_tiles
 
 
-def schedule_tile(step, n_tiles: int, group: int):
-    """The persistent schedule's order (plain Python or DSL integers): cluster step -> (cluster row, tile column).
-    `group` cluster rows go together: for each column, the group's rows one after the other, so that the clusters
-    running at once read a few column tiles of W (and the group's rows of A) from L2 rather than all of W. A CTA's
-    cluster takes steps first, first + clusters, ... (first its index in the grid, clusters the grid's), a CTA its
-    cluster's rows cluster_m·row + rank."""
+def _pick(c, a, b):
+    return a if c else b
+
+
+def schedule_tile(step, n_tiles: int, group: int, limit, pick=_pick):
+    """The persistent schedule's order (plain Python or DSL integers; `pick(c, a, b)`: a where c else b, a select
+    in the kernel): cluster step -> (cluster row, tile column). Cluster rows go in groups of `group`: for each column,
+    the group's rows one after the other, so that the clusters running at once read a few column tiles of W (and the
+    group's rows of A) from L2 rather than all of W. The rows past the last whole group (fewer than `group`: all of
+    them for a short T) follow row by row, so that no step is spent on rows the grid does not have. A CTA's cluster
+    takes steps first, first + clusters, ... (first its index in the grid, clusters the grid's), a CTA its cluster's
+    rows cluster_m·row + rank. Every division is by a compile-time constant."""
+    grouped = limit // (group * n_tiles) * (group * n_tiles)  # the steps of whole groups
     g, r = step % group, step // group
-    return g + group * (r // n_tiles), r % n_tiles
+    tail = step - grouped
+    row = pick(step < grouped, g + group * (r // n_tiles), grouped // n_tiles + tail // n_tiles)
+    return row, pick(step < grouped, r % n_tiles, tail % n_tiles)
 
 
 OPERANDS = ("fp8_block", "bf16")  # E4M3 codes with block scales, or bf16 (the MXFP8 images, or bf16 itself)
@@ -302,7 +310,10 @@ class RopeGemmSm90:
         self.K, self.H, self.D, self.P, self.R, self.style = K, H, D, P, R, style
         # deepseek with a bf16 query: a' and b' of each pair stored as 16-bit halves at their own columns, with no
         # quad shuffles (the default regroups them into 32-bit words first); off until the GPU has compared the two
-        # (tools/probe_ds.py: it prices the epilogue, which costs the fp8 kernel 3-8 %, BENCHMARKS.md)
+        # (tools/probe_ds.py: it prices the epilogue, which costs the fp8 kernel 3-8 %, BENCHMARKS.md). The fp8
+        # engine's only: bf16 operands run in ping-pong, where the epilogue runs under the other warpgroup's main loop
+        if ds_halves and operands != "fp8_block":
+            raise ValueError(f"ds_halves applies to fp8_block operands only, got operands {operands!r}")
         self.ds_halves = ds_halves
         # the epilogue's shared-memory stores and table reads at addresses formed once per thread (`_TileAccess`; the
         # default forms each access's swizzled address anew, about three integer instructions an access); off until
@@ -420,7 +431,7 @@ class RopeGemmSm90:
                                                     cute.slice_(tab_smem, (None, None, 0)), (ROWS_PER_WG, self.RH))
 
         T = mA.shape[0]
-        limit = schedule_limit((T + self.bm - 1) // self.bm, self.cluster_m, self.swizzle, self.n_tiles)
+        limit = schedule_limit((T + self.bm - 1) // self.bm, self.cluster_m, self.n_tiles)
         grid = (self.cluster_m, 1, cutlass.min(limit, self.num_sms // self.cluster_m))  # persistent clusters
 
         @cute.struct
@@ -508,7 +519,7 @@ class RopeGemmSm90:
                 step, clusters = cute.arch.block_idx()[2], cute.arch.grid_dim()[2]
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 while step < limit:
-                    m, n = self._tile(step)
+                    m, n = self._tile(step, limit)
                     for k in cutlass.range(self.k_tiles, unroll=1):
                         ring.producer_acquire(state)
                         bar = ring.producer_get_barrier(state)
@@ -572,12 +583,12 @@ class RopeGemmSm90:
                 sw_next = cute.make_rmem_tensor((self.sw_per_thread,), cutlass.Float32)
                 t128 = ct % 128
                 if step < limit:  # the first tile's W scales
-                    self._load_sw(sw_next, mSW, self._tile(step)[1], t128)
+                    self._load_sw(sw_next, mSW, self._tile(step, limit)[1], t128)
                     self._store_sw(sw_next, sSW, 0, c, t128)
                 store_bar.arrive_and_wait()
                 tcount = cutlass.Int32(0)
                 while step < limit:
-                    m, n = self._tile(step)
+                    m, n = self._tile(step, limit)
                     buf = tcount % 2  # this tile's W-scale buffer and table-barrier phase
                     acc.fill(0.0)
                     tab = cute.make_rmem_tensor((self.R // 2,), cutlass.Float32)  # the epilogue's cos / sin
@@ -587,7 +598,7 @@ class RopeGemmSm90:
                     tables = functools.partial(self._load_tables, w_in_wg, lane, tab_bar, tma_cos, tTgC, tTsC, tma_sin,
                                                tTgS, tTsS, m, c)
                     if step + clusters < limit:  # the next tile's W scales: read from global memory while this one runs
-                        self._load_sw(sw_next, mSW, self._tile(step + clusters)[1], t128)
+                        self._load_sw(sw_next, mSW, self._tile(step + clusters, limit)[1], t128)
                     r0 = cutlass.min(m * self.bm + row_lo, T - 1)  # clamped: rows past T are never stored
                     r1 = cutlass.min(m * self.bm + row_lo + 8, T - 1)
                     col0 = n * self.bn  # first column of the tile in W / y
@@ -649,9 +660,10 @@ class RopeGemmSm90:
                 if ct % 128 == 0:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
 
-    def _tile(self, step: cutlass.Int32):
-        """(m, n): this CTA's [bm, bn] output tile at schedule step `step` (the grid's x is the cluster's rank)."""
-        row, n = schedule_tile(step, self.n_tiles, self.swizzle)
+    def _tile(self, step: cutlass.Int32, limit: cutlass.Int32):
+        """(m, n): this CTA's [bm, bn] output tile at schedule step `step` of `limit` (the grid's x is the cluster's
+        rank)."""
+        row, n = schedule_tile(step, self.n_tiles, self.swizzle, limit, _select)
         rank = cutlass.Int32(cute.arch.block_idx()[0] % self.cluster_m)
         return (cute.arch.make_warp_uniform(row * self.cluster_m + rank), cute.arch.make_warp_uniform(n))
 
@@ -728,9 +740,8 @@ class RopeGemmSm90:
         ops = (ring, acc, tCrA, tCrB, k_blocks)
         halves = 2 if (self.epi_halves and not self.mx) else 1
         tcount = cutlass.Int32(0)  # this warpgroup's tiles so far
-        # the next tile and whether there is one, carried through the loop as warp-uniform values (a loop on
-        # `step < limit` compiled to spills of the epilogue's addresses with `ds_halves`)
-        m, n = self._tile(step)
+        # whether there is a next tile, carried through the loop as a warp-uniform value, and the tile formed after
+        # the main loop (a loop on `step < limit` compiled to spills of the epilogue's addresses)
         valid = cutlass.Boolean(cute.arch.make_warp_uniform(step < limit))
         while valid:
             if tcount + c > 0:  # the other warpgroup has issued its previous tile's last K tile
@@ -745,6 +756,7 @@ class RopeGemmSm90:
             ring.consumer_release(rel)
             rel.advance()
             # ------------------------------------------------------------------------------------ epilogue
+            m, n = self._tile(step, limit)
             for mm in cutlass.range_constexpr(2):
                 g0 = m * self.bm + ROWS_PER_WG * mm + lrow  # global row of the thread's first row of this m-block
                 self._read_tables_global(tab, mCos, mSin, cutlass.min(g0, T - 1), cutlass.min(g0 + 8, T - 1), q)
@@ -766,7 +778,6 @@ class RopeGemmSm90:
                         cute.copy(tma_y, tYsY[(None, slot)], tYgY[(None, 2 * m + mm, halves * n + h)])
                         cute.arch.cp_async_bulk_commit_group()
             step = cute.arch.make_warp_uniform(step + 2 * clusters)
-            m, n = self._tile(step)
             valid = cutlass.Boolean(cute.arch.make_warp_uniform(step < limit))
             for _ in cutlass.range(self.k_tiles, unroll=1):  # the stages of the other warpgroup's tile
                 state.advance()
