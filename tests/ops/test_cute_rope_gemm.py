@@ -165,7 +165,7 @@ def test_offline_compile_sass_ds_halves(tmp_path):
     assert not re.search(r"\bSHFL\.", rep["sass"]) and "STS.U16" in rep["sass"]
     assert rep["LDL"] + rep["STL"] == 0 and rep["LOOP_LDL_STL"] == 0, rep
     with pytest.raises(ValueError, match="ds_halves"):
-        RopeGemmSm90(*(1536, 128, 192, 128, 64), "deepseek", 132, operands="bf16", ds_halves=True)
+        RopeGemmSm90(1536, 128, 192, 128, 64, "deepseek", 132, operands="bf16", ds_halves=True)  # K, H, D, P, R
 
 
 @pytest.mark.skipif(not HAS_DSL, reason="needs nvidia-cutlass-dsl and apache-tvm-ffi (pip install 'mla_qproj[cute]')")
